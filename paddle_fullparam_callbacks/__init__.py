@@ -1,0 +1,1 @@
+"""Full-parameter Hugging Face snapshots of PaddlePaddle models while they train."""

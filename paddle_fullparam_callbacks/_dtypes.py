@@ -1,0 +1,62 @@
+"""The one dtype table of the package: Paddle name, bytes, safetensors code, numpy storage.
+
+Every module that needs to translate a dtype reads it from here. bfloat16 has no numpy
+dtype; its bytes are carried as ``uint16`` (the same bit pattern Paddle and torch use).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str  # Paddle's name, e.g. "float32"
+    itemsize: int
+    st_code: str  # safetensors header code, e.g. "F32"
+    np_storage: str  # numpy dtype holding the raw bytes
+    is_float: bool
+
+
+_TABLE = (
+    DType("float64", 8, "F64", "float64", True),
+    DType("float32", 4, "F32", "float32", True),
+    DType("float16", 2, "F16", "float16", True),
+    DType("bfloat16", 2, "BF16", "uint16", True),
+    DType("int64", 8, "I64", "int64", False),
+    DType("int32", 4, "I32", "int32", False),
+    DType("int16", 2, "I16", "int16", False),
+    DType("int8", 1, "I8", "int8", False),
+    DType("uint8", 1, "U8", "uint8", False),
+    DType("bool", 1, "BOOL", "bool", False),
+)
+
+BY_NAME = {d.name: d for d in _TABLE}
+BY_ST_CODE = {d.st_code: d for d in _TABLE}
+
+# the export dtypes a user may ask for ("keep" leaves each tensor as it is)
+EXPORT_DTYPES = ("keep", "bfloat16", "float16", "float32")
+
+
+def lookup(name: str) -> DType:
+    """Return the table row of a dtype given as Paddle name, ``paddle.float32`` repr or numpy name.
+
+    >>> lookup("paddle.bfloat16").st_code
+    'BF16'
+    """
+    key = str(name)
+    for prefix in ("paddle.", "VarType.", "DataType."):
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+    key = key.lower()
+    key = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "float": "float32"}.get(key, key)
+    try:
+        return BY_NAME[key]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; supported: {sorted(BY_NAME)}") from None
+
+
+def as_bytes_view(array: np.ndarray) -> memoryview:
+    """A flat, C-contiguous byte view of ``array`` (copies only if it is not contiguous)."""
+    return memoryview(np.ascontiguousarray(array)).cast("B")

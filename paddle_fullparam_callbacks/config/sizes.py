@@ -1,0 +1,49 @@
+"""Strict parsing of byte sizes ("5GB", "500MB", "1.5GiB", 1048576)."""
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: "str | int") -> int:
+    """Parse a size in bytes; decimal units (KB, MB, GB) as Hugging Face uses them, binary with "i".
+
+    >>> parse_size("5GB"), parse_size("500MB"), parse_size("1KiB"), parse_size(7)
+    (5000000000, 500000000, 1024, 7)
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"size must be positive, got {value}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(
+            f"not a size: {value!r} (write a number with a unit, e.g. '5GB', '500MB', '2GiB')"
+        )
+    number, unit = m.group(1), (m.group(2) or "B").upper()
+    if unit not in _UNITS:
+        raise ValueError(f"unknown size unit in {value!r}; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    size = int(float(number) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+def format_size(num_bytes: int) -> str:
+    """Human-readable size, decimal units.
+
+    >>> format_size(1234567)
+    '1.23 MB'
+    """
+    for unit, factor in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if num_bytes >= factor:
+            return f"{num_bytes / factor:.2f} {unit}"
+    return f"{num_bytes} B"

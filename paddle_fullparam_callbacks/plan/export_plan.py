@@ -1,0 +1,194 @@
+"""The export plan: which tensor goes to which safetensors file, at which offset.
+
+Pure: computed from (name, shape, dtype) alone, identically on every rank, before any byte is
+written. The writer carries it out and decides nothing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from .. import _dtypes
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A destination tensor as it will stand in the snapshot."""
+
+    name: str
+    shape: tuple
+    dtype: str  # Paddle dtype name, see _dtypes
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _dtypes.lookup(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor's bytes go: ``[begin, end)`` of its file's data section."""
+
+    name: str
+    dtype: str
+    shape: tuple
+    file_index: int
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    index: int
+    name: str
+    header: bytes  # the 8-byte length prefix and the padded JSON header
+    slots: tuple
+
+    @property
+    def data_bytes(self) -> int:
+        return self.slots[-1].end if self.slots else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return len(self.header) + self.data_bytes
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    files: tuple
+    max_shard_size: int
+    slots: dict = field(repr=False, compare=False)  # name -> TensorSlot
+
+    @property
+    def total_tensor_bytes(self) -> int:
+        return sum(f.data_bytes for f in self.files)
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.slots)
+
+    def index(self) -> dict:
+        """The ``model.safetensors.index.json`` object."""
+        weight_map = {}
+        for f in self.files:
+            for s in sorted(f.slots, key=lambda s: natural_key(s.name)):
+                weight_map[s.name] = f.name
+        return {"metadata": {"total_size": self.total_tensor_bytes}, "weight_map": weight_map}
+
+
+def natural_key(name: str):
+    """Sort key that orders ``layers.2`` before ``layers.10``.
+
+    >>> sorted(["l.10.w", "l.2.w", "emb"], key=natural_key)
+    ['emb', 'l.2.w', 'l.10.w']
+    """
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name) if p)
+
+
+def build_header(slots: Sequence[TensorSlot], metadata: "dict | None") -> bytes:
+    """The safetensors header of a file holding ``slots``: u64 length + JSON padded to 8 bytes."""
+    obj = {}
+    if metadata is not None:
+        obj["__metadata__"] = dict(metadata)
+    for s in slots:
+        obj[s.name] = {
+            "dtype": _dtypes.lookup(s.dtype).st_code,
+            "shape": list(s.shape),
+            "data_offsets": [s.begin, s.end],
+        }
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    text += b" " * ((-len(text)) % 8)  # the data section starts 8-byte aligned
+    return len(text).to_bytes(8, "little") + text
+
+
+def _validate_specs(specs: Sequence[TensorSpec]) -> None:
+    seen = set()
+    for t in specs:
+        if not t.name or t.name == "__metadata__":
+            raise ValueError(f"invalid tensor name {t.name!r}")
+        if t.name in seen:
+            raise ValueError(f"tensor {t.name!r} appears twice in the export; each name must be unique")
+        seen.add(t.name)
+        if any((not isinstance(d, int)) or d < 0 for d in t.shape):
+            raise ValueError(f"tensor {t.name!r} has an invalid shape {t.shape!r}")
+        _dtypes.lookup(t.dtype)
+
+
+def build_export_plan(
+    specs: Iterable[TensorSpec],
+    max_shard_size: int,
+    *,
+    prefix: str = "model",
+    metadata: "dict | None" = None,
+) -> ExportPlan:
+    """Pack tensors, in natural name order, into files of at most ``max_shard_size`` data bytes.
+
+    A tensor larger than the limit gets a file of its own. Inside a file, tensors of larger
+    item size come first, so that every tensor's data is aligned to its item size.
+
+    >>> p = build_export_plan([TensorSpec("a", (2, 2), "float32"), TensorSpec("b", (3,), "float32")], 16)
+    >>> [f.name for f in p.files], [(s.name, s.begin, s.end) for s in p.files[1].slots]
+    (['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'], [('b', 0, 12)])
+    """
+    if max_shard_size <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+    specs = list(specs)
+    _validate_specs(specs)
+    metadata = {"format": "pt"} if metadata is None else metadata
+    ordered = sorted(specs, key=lambda t: natural_key(t.name))
+
+    groups: list = []
+    current: list = []
+    current_bytes = 0
+    for t in ordered:
+        nbytes = t.nbytes
+        if current and current_bytes + nbytes > max_shard_size:
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(t)
+        current_bytes += nbytes
+    if current or not groups:
+        groups.append(current)
+
+    n = len(groups)
+    files = []
+    slots_by_name = {}
+    for i, group in enumerate(groups):
+        # stable: keeps name order among tensors of the same item size
+        group = sorted(group, key=lambda t: -_dtypes.lookup(t.dtype).itemsize)
+        offset = 0
+        slots = []
+        for t in group:
+            s = TensorSlot(t.name, _dtypes.lookup(t.dtype).name, tuple(t.shape), i, offset, offset + t.nbytes)
+            offset = s.end
+            slots.append(s)
+            slots_by_name[t.name] = s
+        name = f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
+        files.append(ShardFile(i, name, build_header(slots, metadata), tuple(slots)))
+    return ExportPlan(tuple(files), max_shard_size, slots_by_name)
+
+
+def assign_writers(plan: ExportPlan, num_writers: int) -> tuple:
+    """Which writer (0..num_writers-1) writes each file: largest files first, to the least loaded.
+
+    Deterministic, so every rank computes the same assignment.
+
+    >>> p = build_export_plan([TensorSpec(f"t{i}", (i + 1,), "float32") for i in range(4)], 8)
+    >>> assign_writers(p, 2)
+    (0, 1, 1, 0)
+    """
+    if num_writers < 1:
+        raise ValueError(f"num_writers must be >= 1, got {num_writers}")
+    load = [0] * num_writers
+    owner = [0] * len(plan.files)
+    for f in sorted(plan.files, key=lambda f: (-f.total_bytes, f.index)):
+        w = min(range(num_writers), key=lambda r: (load[r], r))
+        owner[f.index] = w
+        load[w] += f.total_bytes
+    return tuple(owner)
