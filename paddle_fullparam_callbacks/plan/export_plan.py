@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -21,6 +22,13 @@ class TensorSpec:
     name: str
     shape: tuple
     dtype: str  # Paddle dtype name, see _dtypes
+
+    def __post_init__(self):
+        try:
+            shape = tuple(operator.index(d) for d in self.shape)
+        except TypeError:
+            raise ValueError(f"tensor {self.name!r} has an invalid shape {self.shape!r}") from None
+        object.__setattr__(self, "shape", shape)
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +123,7 @@ def _validate_specs(specs: Sequence[TensorSpec]) -> None:
         if t.name in seen:
             raise ValueError(f"tensor {t.name!r} appears twice in the export; each name must be unique")
         seen.add(t.name)
-        if any((not isinstance(d, int)) or d < 0 for d in t.shape):
+        if any(d < 0 for d in t.shape):
             raise ValueError(f"tensor {t.name!r} has an invalid shape {t.shape!r}")
         _dtypes.lookup(t.dtype)
 

@@ -1,0 +1,151 @@
+"""The one structured config of the package (omegaconf dataclasses); recipes are instances of it.
+
+Every rule between fields is checked in ``__post_init__``, so a config built in Python and one
+loaded from a recipe are validated the same way; each message names the recipe key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .. import _dtypes
+from ..plan.naming import validate_template
+from .sizes import parse_size
+
+EXPORT_FORMATS = ("hf_safetensors", "paddle_safetensors", "callable")
+ASSEMBLERS = ("builtin", "paddle")
+ON_ERROR = ("warn", "raise")
+
+
+class ConfigError(ValueError):
+    """A recipe or config value is wrong; ``key`` is the dotted recipe key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(key, f"must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_size(key: str, value: Any) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ConfigError(key, str(e)) from e
+
+
+@dataclass
+class TriggerConfig:
+    """When a snapshot is taken. Several triggers on the same step make one snapshot."""
+
+    every_n_steps: int = 0
+    """Export every N optimizer steps; 0 turns this trigger off."""
+    on_save: bool = True
+    """Export when the trainer saves a checkpoint."""
+    on_evaluate: bool = False
+    """Export after each evaluation."""
+    on_train_end: bool = True
+    """Export once when training ends (unless that step was just exported)."""
+
+    def __post_init__(self):
+        if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 0:
+            raise ConfigError(
+                "trigger.every_n_steps",
+                f"must be a whole number >= 0 (0 = off); got {self.every_n_steps!r}",
+            )
+
+
+@dataclass
+class ExportConfig:
+    """What a snapshot holds and how it is laid out."""
+
+    format: str = "hf_safetensors"
+    """hf_safetensors (HF names and layout) | paddle_safetensors (Paddle names, no mapping) | callable."""
+    dtype: str = "keep"
+    """keep | bfloat16 | float16 | float32: dtype of the floating-point tensors in the snapshot."""
+    max_shard_size: str = "5GB"
+    """Largest safetensors file, e.g. '5GB', '500MB' (a bigger single tensor gets its own file)."""
+    aoa: Any = "auto"
+    """Name mapping: 'auto' (the model's own, else a preset), a preset name, a JSON/YAML file, or a list of statements."""
+    name_template: str = "hf-step-{step:06d}"
+    """Snapshot directory name inside output_dir; must use {step}."""
+    copy_tokenizer: bool = True
+    """Save the trainer's tokenizer files into each snapshot."""
+    max_pending_bytes: str = "512MB"
+    """Host memory the writer may hold for tensors not yet on disk."""
+    callable: Optional[str] = None
+    """For format=callable: 'package.module:function', called as fn(name, tensor, step=...)."""
+
+    def __post_init__(self):
+        _check_choice("export.format", self.format, EXPORT_FORMATS)
+        _check_choice("export.dtype", self.dtype, _dtypes.EXPORT_DTYPES)
+        _check_size("export.max_shard_size", self.max_shard_size)
+        _check_size("export.max_pending_bytes", self.max_pending_bytes)
+        try:
+            validate_template(self.name_template)
+        except ValueError as e:
+            raise ConfigError("export.name_template", str(e)) from e
+        aoa = self.aoa
+        if not isinstance(aoa, str) and not (
+            isinstance(aoa, (list, tuple)) and all(isinstance(s, str) for s in aoa)
+        ):
+            raise ConfigError(
+                "export.aoa",
+                f"must be 'auto', a preset name, a file path, or a list of statements; got {aoa!r}",
+            )
+        if isinstance(aoa, str) and not aoa.strip():
+            raise ConfigError("export.aoa", "is empty; use 'auto'")
+        if self.format == "callable":
+            if not self.callable or ":" not in self.callable:
+                raise ConfigError(
+                    "export.callable",
+                    "format=callable needs export.callable='package.module:function' "
+                    "(or pass fn= to FullParamExportCallback)",
+                )
+        elif self.callable:
+            raise ConfigError("export.callable", f"is set but export.format is {self.format!r}, not 'callable'")
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return parse_size(self.max_shard_size)
+
+    @property
+    def max_pending(self) -> int:
+        return parse_size(self.max_pending_bytes)
+
+
+@dataclass
+class RetentionConfig:
+    keep_last: int = 0
+    """Keep the newest N snapshots (0 keeps all). `latest` is never removed."""
+
+    def __post_init__(self):
+        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
+            raise ConfigError("retention.keep_last", f"must be a whole number >= 0 (0 = keep all); got {self.keep_last!r}")
+
+
+@dataclass
+class FullParamConfig:
+    """Everything the callback needs; a recipe file is an instance of this."""
+
+    output_dir: Optional[str] = None
+    """Where snapshots go; default: <trainer output_dir>/fullparam."""
+    enabled: bool = True
+    trigger: TriggerConfig = field(default_factory=TriggerConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    assembler: str = "builtin"
+    """builtin (this package's assembler) | paddle (Paddle's own full_param, for cross-checking)."""
+    on_error: str = "warn"
+    """warn: log a failed export and keep training | raise: stop training."""
+
+    def __post_init__(self):
+        _check_choice("assembler", self.assembler, ASSEMBLERS)
+        _check_choice("on_error", self.on_error, ON_ERROR)
+        if self.output_dir is not None and not str(self.output_dir).strip():
+            raise ConfigError("output_dir", "is empty; leave it unset to use <trainer output_dir>/fullparam")
+        if self.export.format == "paddle_safetensors" and self.export.aoa not in ("auto",):
+            raise ConfigError("export.aoa", "paddle_safetensors keeps Paddle names: leave export.aoa at 'auto'")

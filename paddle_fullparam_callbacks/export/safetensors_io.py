@@ -1,0 +1,357 @@
+"""Streaming safetensors writing and bounds-checked header reading.
+
+The writer carries out an :class:`ExportPlan`: each file's header is known in advance, each
+tensor's bytes go to their planned offset as they arrive, and the SHA-256 of a file is computed
+on the way when tensors arrive in file order (the usual case), or by one read-back otherwise.
+A background thread does the disk writes and hashing so that assembly overlaps I/O; the bytes
+it holds for tensors not yet on disk never exceed ``max_pending_bytes`` (one tensor larger than
+that is let through alone).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+
+from .. import _dtypes
+from ..plan.export_plan import ExportPlan, ShardFile, TensorSlot
+
+_MAX_HEADER = 100 * 2**20  # same bound as the safetensors library
+
+
+class SafetensorsFormatError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class FileResult:
+    name: str
+    bytes: int
+    sha256: str
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data = data[n:]
+        offset += n
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path, chunk: int = 16 * 2**20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+class _FileState:
+    """One file being written: the sequential cursor, the hash, and the slots still missing."""
+
+    def __init__(self, directory: Path, spec: ShardFile):
+        self.spec = spec
+        self.path = directory / spec.name
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.base = len(spec.header)
+        self.hash = hashlib.sha256(spec.header)
+        _pwrite_all(self.fd, memoryview(spec.header), 0)
+        self.order = sorted(spec.slots, key=lambda s: s.begin)
+        self.next_slot = 0  # index into order of the first slot not yet hashed in sequence
+        self.written: set = set()
+        self.stash: dict = {}  # slot name -> buffer waiting for its turn
+        self.rehash = False
+
+    @property
+    def done(self) -> bool:
+        return len(self.written) == len(self.order)
+
+    def write(self, slot: TensorSlot, buf: memoryview) -> None:
+        _pwrite_all(self.fd, buf, self.base + slot.begin)
+        self.written.add(slot.name)
+
+    def finish(self) -> FileResult:
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        digest = sha256_file(self.path) if self.rehash else self.hash.hexdigest()
+        return FileResult(self.spec.name, self.spec.total_bytes, digest)
+
+    def close_quietly(self) -> None:
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+
+
+class SnapshotWriter:
+    """Writes the files of ``plan`` listed in ``file_indices`` into ``directory``.
+
+    ``put(name, array)`` hands over one tensor (a numpy array of the planned dtype storage and
+    shape); ``close()`` waits for the disk, fsyncs and returns a :class:`FileResult` per file;
+    ``abort()`` stops and removes this writer's files. The array must not change until close().
+    """
+
+    def __init__(
+        self,
+        plan: ExportPlan,
+        directory: "str | os.PathLike",
+        file_indices: Optional[Iterable[int]] = None,
+        max_pending_bytes: int = 512 * 2**20,
+        background: bool = True,
+    ):
+        self.plan = plan
+        self.directory = Path(directory)
+        indices = range(len(plan.files)) if file_indices is None else file_indices
+        self.files = {i: plan.files[i] for i in sorted(set(indices))}
+        self.budget = max(1, int(max_pending_bytes))
+        self._states: dict = {}
+        self._results: dict = {}
+        self._received: set = set()
+        self._error: Optional[BaseException] = None
+        self._aborted = False
+        self._cv = threading.Condition()
+        self._queued_bytes = 0
+        self._stash_bytes = 0
+        self.peak_pending_bytes = 0
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="pfc-writer", daemon=True)
+            self._thread.start()
+
+    # ---- producer side -------------------------------------------------------------------
+    def wants(self, name: str) -> bool:
+        slot = self.plan.slots.get(name)
+        return slot is not None and slot.file_index in self.files
+
+    def put(self, name: str, array: np.ndarray) -> None:
+        self._raise_if_failed()
+        slot = self.plan.slots.get(name)
+        if slot is None:
+            raise KeyError(f"tensor {name!r} is not in the export plan")
+        if slot.file_index not in self.files:
+            raise KeyError(f"tensor {name!r} belongs to {self.plan.files[slot.file_index].name}, not written here")
+        if name in self._received:
+            raise ValueError(f"tensor {name!r} was handed to the writer twice")
+        storage = np.dtype(_dtypes.lookup(slot.dtype).np_storage)
+        if array.dtype != storage or tuple(array.shape) != tuple(slot.shape):
+            raise ValueError(
+                f"tensor {name!r}: got {array.dtype}{list(array.shape)}, the plan says "
+                f"{slot.dtype}{list(slot.shape)} (storage {storage})"
+            )
+        buf = _dtypes.as_bytes_view(array)
+        self._received.add(name)
+        if self._thread is None:
+            self._accept(slot, buf)
+            return
+        n = len(buf)
+        with self._cv:
+            # half the budget for the queue, half for out-of-order tensors waiting in a stash
+            while self._queued_bytes and self._queued_bytes + n > self.budget // 2 and self._error is None:
+                # (a tensor larger than the budget waits for an empty queue, then goes alone)
+                self._cv.wait()
+            self._queued_bytes += n
+            self._note_peak()
+        self._queue.put((slot, buf))
+
+    def close(self) -> dict:
+        """Wait for all bytes, fsync every file, return {file name: FileResult}."""
+        missing = [s.name for i in self.files for s in self.files[i].slots if s.name not in self._received]
+        if missing:
+            self.abort()
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise RuntimeError(f"export incomplete: no data for tensor(s) {missing[:5]}{more}")
+        self._stop_thread()
+        self._raise_if_failed()
+        for i, spec in self.files.items():
+            if i not in self._results:
+                state = self._state(i)
+                self._drain_stash(state)
+                self._results[i] = state.finish()
+        _fsync_dir(self.directory)
+        return {r.name: r for r in self._results.values()}
+
+    def abort(self) -> None:
+        self._aborted = True
+        self._stop_thread()
+        for state in self._states.values():
+            state.close_quietly()
+        for spec in self.files.values():
+            try:
+                (self.directory / spec.name).unlink()
+            except FileNotFoundError:
+                pass
+
+    # ---- writer side ---------------------------------------------------------------------
+    def _note_peak(self) -> None:
+        self.peak_pending_bytes = max(self.peak_pending_bytes, self._queued_bytes + self._stash_bytes)
+
+    def _state(self, index: int) -> _FileState:
+        st = self._states.get(index)
+        if st is None:
+            st = self._states[index] = _FileState(self.directory, self.files[index])
+        return st
+
+    def _accept(self, slot: TensorSlot, buf: memoryview) -> None:
+        st = self._state(slot.file_index)
+        expected = st.order[st.next_slot] if st.next_slot < len(st.order) else None
+        if expected is not None and expected.name == slot.name:
+            st.write(slot, buf)
+            if not st.rehash:
+                st.hash.update(buf)
+            st.next_slot += 1
+            self._drain_stash(st)
+        elif self._stash_bytes + len(buf) <= self.budget // 2:
+            st.stash[slot.name] = buf
+            with self._cv:
+                self._stash_bytes += len(buf)
+                self._note_peak()
+        else:
+            st.write(slot, buf)  # out of order and no room to hold it: the hash will be redone
+            st.rehash = True
+        if st.done and not st.stash and slot.file_index not in self._results:
+            self._drain_stash(st)
+            self._results[slot.file_index] = st.finish()
+
+    def _drain_stash(self, st: _FileState) -> None:
+        while st.next_slot < len(st.order):
+            s = st.order[st.next_slot]
+            buf = st.stash.pop(s.name, None)
+            if buf is not None:
+                st.write(s, buf)
+                if not st.rehash:
+                    st.hash.update(buf)
+                with self._cv:
+                    self._stash_bytes -= len(buf)
+            elif s.name in st.written:
+                st.rehash = True
+            else:
+                return
+            st.next_slot += 1
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            slot, buf = item
+            try:
+                if self._error is None and not self._aborted:
+                    self._accept(slot, buf)
+            except BaseException as e:  # reported to the producer on its next call
+                self._error = e
+            finally:
+                with self._cv:
+                    self._queued_bytes -= len(buf)
+                    self._cv.notify_all()
+
+    def _stop_thread(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise OSError(f"writing the snapshot failed: {self._error}") from self._error
+
+
+# ---- reading --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeaderEntry:
+    name: str
+    dtype: str  # safetensors code
+    shape: tuple
+    begin: int
+    end: int
+
+
+def read_header(path: "str | os.PathLike") -> tuple:
+    """Parse and bounds-check a safetensors header. Returns (metadata, {name: HeaderEntry}, data_start).
+
+    Raises SafetensorsFormatError naming the file and the tensor at fault.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise SafetensorsFormatError(f"{path.name}: file is {size} bytes, too short for a header")
+        n = int.from_bytes(raw, "little")
+        if n > _MAX_HEADER or 8 + n > size:
+            raise SafetensorsFormatError(f"{path.name}: header length {n} runs past the file ({size} bytes)")
+        text = f.read(n)
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise SafetensorsFormatError(f"{path.name}: header is not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise SafetensorsFormatError(f"{path.name}: header is not a JSON object")
+    metadata = obj.pop("__metadata__", None)
+    entries = {}
+    for name, e in obj.items():
+        try:
+            code, shape, (begin, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
+            if code not in _dtypes.BY_ST_CODE:
+                raise SafetensorsFormatError(f"{path.name}: tensor {name!r} has unknown dtype {code!r}")
+            if not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise SafetensorsFormatError(f"{path.name}: tensor {name!r} has invalid shape {list(shape)}")
+            if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+                raise SafetensorsFormatError(f"{path.name}: tensor {name!r} has invalid offsets {[begin, end]}")
+        except (KeyError, TypeError, ValueError) as err:
+            if isinstance(err, SafetensorsFormatError):
+                raise
+            raise SafetensorsFormatError(f"{path.name}: tensor {name!r} has a malformed header entry {e!r}") from err
+        expected = math.prod(shape) * _dtypes.BY_ST_CODE[code].itemsize
+        if end - begin != expected:
+            raise SafetensorsFormatError(
+                f"{path.name}: tensor {name!r} spans {end - begin} bytes, its shape {list(shape)} of {code} needs {expected}"
+            )
+        entries[name] = HeaderEntry(name, code, shape, begin, end)
+    data_start = 8 + n
+    cursor = 0
+    for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if e.begin < cursor:
+            raise SafetensorsFormatError(f"{path.name}: tensor {e.name!r} overlaps the tensor before it")
+        if e.begin > cursor:
+            raise SafetensorsFormatError(f"{path.name}: a gap of {e.begin - cursor} bytes lies before tensor {e.name!r}")
+        cursor = e.end
+    if data_start + cursor != size:
+        if data_start + cursor > size:
+            last = max(entries.values(), key=lambda e: e.end).name if entries else "?"
+            raise SafetensorsFormatError(
+                f"{path.name}: tensor {last!r} runs past the end of the file ({data_start + cursor} > {size} bytes; truncated?)"
+            )
+        raise SafetensorsFormatError(f"{path.name}: {size - data_start - cursor} trailing bytes after the last tensor")
+    return metadata, entries, data_start
+
+
+def read_tensor(path: "str | os.PathLike", name: str) -> np.ndarray:
+    """Read one tensor as a numpy array (bfloat16 as uint16 bits)."""
+    _, entries, start = read_header(path)
+    e = entries[name]
+    storage = np.dtype(_dtypes.BY_ST_CODE[e.dtype].np_storage)
+    with open(path, "rb") as f:
+        f.seek(start + e.begin)
+        data = f.read(e.end - e.begin)
+    return np.frombuffer(data, dtype=storage).reshape(e.shape)
