@@ -63,6 +63,20 @@ def sha256_file(path: Path, chunk: int = 16 * 2**20) -> str:
             h.update(b)
 
 
+_BLOCK_BYTES = 8 * 2**20
+
+
+def _contiguous_blocks(array: np.ndarray):
+    """Yield C-contiguous pieces of ``array`` in row-major order, each about 8 MB at most."""
+    if array.flags.c_contiguous or array.ndim == 0:
+        yield array
+        return
+    row_bytes = max(1, array[0].nbytes if len(array) else 1)
+    rows = max(1, _BLOCK_BYTES // row_bytes)
+    for r in range(0, len(array), rows):
+        yield np.ascontiguousarray(array[r:r + rows])
+
+
 class _FileState:
     """One file being written: the sequential cursor, the hash, and the slots still missing."""
 
@@ -83,8 +97,15 @@ class _FileState:
     def done(self) -> bool:
         return len(self.written) == len(self.order)
 
-    def write(self, slot: TensorSlot, buf: memoryview) -> None:
-        _pwrite_all(self.fd, buf, self.base + slot.begin)
+    def write(self, slot: TensorSlot, array: np.ndarray, hash_it: bool) -> None:
+        """Write ``array`` at its slot; a strided view (e.g. a transpose) is copied block by block."""
+        offset = self.base + slot.begin
+        for block in _contiguous_blocks(array):
+            buf = _dtypes.as_bytes_view(block)
+            _pwrite_all(self.fd, buf, offset)
+            if hash_it:
+                self.hash.update(buf)
+            offset += len(buf)
         self.written.add(slot.name)
 
     def finish(self) -> FileResult:
@@ -107,7 +128,7 @@ class SnapshotWriter:
     """Writes the files of ``plan`` listed in ``file_indices`` into ``directory``.
 
     ``put(name, array)`` hands over one tensor (a numpy array of the planned dtype storage and
-    shape); ``close()`` waits for the disk, fsyncs and returns a :class:`FileResult` per file;
+    shape; a strided view such as a transpose is fine and is copied in 8 MB blocks); ``close()`` waits for the disk, fsyncs and returns a :class:`FileResult` per file;
     ``abort()`` stops and removes this writer's files. The array must not change until close().
     """
 
@@ -159,12 +180,11 @@ class SnapshotWriter:
                 f"tensor {name!r}: got {array.dtype}{list(array.shape)}, the plan says "
                 f"{slot.dtype}{list(slot.shape)} (storage {storage})"
             )
-        buf = _dtypes.as_bytes_view(array)
         self._received.add(name)
         if self._thread is None:
-            self._accept(slot, buf)
+            self._accept(slot, array)
             return
-        n = len(buf)
+        n = array.nbytes
         with self._cv:
             # half the budget for the queue, half for out-of-order tensors waiting in a stash
             while self._queued_bytes and self._queued_bytes + n > self.budget // 2 and self._error is None:
@@ -172,7 +192,7 @@ class SnapshotWriter:
                 self._cv.wait()
             self._queued_bytes += n
             self._note_peak()
-        self._queue.put((slot, buf))
+        self._queue.put((slot, array))
 
     def close(self) -> dict:
         """Wait for all bytes, fsync every file, return {file name: FileResult}."""
@@ -212,22 +232,20 @@ class SnapshotWriter:
             st = self._states[index] = _FileState(self.directory, self.files[index])
         return st
 
-    def _accept(self, slot: TensorSlot, buf: memoryview) -> None:
+    def _accept(self, slot: TensorSlot, array: np.ndarray) -> None:
         st = self._state(slot.file_index)
         expected = st.order[st.next_slot] if st.next_slot < len(st.order) else None
         if expected is not None and expected.name == slot.name:
-            st.write(slot, buf)
-            if not st.rehash:
-                st.hash.update(buf)
+            st.write(slot, array, hash_it=not st.rehash)
             st.next_slot += 1
             self._drain_stash(st)
-        elif self._stash_bytes + len(buf) <= self.budget // 2:
-            st.stash[slot.name] = buf
+        elif self._stash_bytes + array.nbytes <= self.budget // 2:
+            st.stash[slot.name] = array
             with self._cv:
-                self._stash_bytes += len(buf)
+                self._stash_bytes += array.nbytes
                 self._note_peak()
         else:
-            st.write(slot, buf)  # out of order and no room to hold it: the hash will be redone
+            st.write(slot, array, hash_it=False)  # out of order, no room to hold it: hash redone at the end
             st.rehash = True
         if st.done and not st.stash and slot.file_index not in self._results:
             self._drain_stash(st)
@@ -236,13 +254,11 @@ class SnapshotWriter:
     def _drain_stash(self, st: _FileState) -> None:
         while st.next_slot < len(st.order):
             s = st.order[st.next_slot]
-            buf = st.stash.pop(s.name, None)
-            if buf is not None:
-                st.write(s, buf)
-                if not st.rehash:
-                    st.hash.update(buf)
+            array = st.stash.pop(s.name, None)
+            if array is not None:
+                st.write(s, array, hash_it=not st.rehash)
                 with self._cv:
-                    self._stash_bytes -= len(buf)
+                    self._stash_bytes -= array.nbytes
             elif s.name in st.written:
                 st.rehash = True
             else:
@@ -254,15 +270,15 @@ class SnapshotWriter:
             item = self._queue.get()
             if item is None:
                 return
-            slot, buf = item
+            slot, array = item
             try:
                 if self._error is None and not self._aborted:
-                    self._accept(slot, buf)
+                    self._accept(slot, array)
             except BaseException as e:  # reported to the producer on its next call
                 self._error = e
             finally:
                 with self._cv:
-                    self._queued_bytes -= len(buf)
+                    self._queued_bytes -= array.nbytes
                     self._cv.notify_all()
 
     def _stop_thread(self) -> None:

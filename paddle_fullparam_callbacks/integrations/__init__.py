@@ -1,0 +1,5 @@
+"""Layer 5: the trainer callback, model adapters and name-mapping presets."""
+from .callback import FullParamExportCallback
+from .presets import PRESETS
+
+__all__ = ["FullParamExportCallback", "PRESETS"]

@@ -1,0 +1,19 @@
+"""Adapter that runs Paddle's own ``full_param`` instead of the builtin assembler (cross-checks).
+
+Selected with ``assembler: paddle``. Single process it uses Paddle's single-card path; the
+multi-rank HV path takes the groups this package derives.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Tuple
+
+from .local import cast_for_export
+
+
+def run_paddle_full_param(sharded_state_dict, aoa_config, export_dtype: str = "keep", **group_kwargs) -> Iterator[Tuple[str, object]]:
+    import paddle
+    from paddle.distributed.flex_checkpoint.dcp.full_param import full_param
+
+    with paddle.no_grad():
+        for name, tensor in full_param(sharded_state_dict, aoa_config=aoa_config or {}, **group_kwargs):
+            yield name, cast_for_export(tensor, export_dtype)

@@ -1,0 +1,161 @@
+"""The commit protocol: staging directories, the atomic rename, pointers and retention.
+
+A snapshot is a directory ``<output_dir>/<name>`` holding ``fullparam_manifest.json``; its bytes
+are written under ``<output_dir>/.tmp-<name>-<id>`` and renamed into place after the manifest,
+which is written last. A directory without a manifest is never a snapshot. Pointers
+(``latest``, ``best``) are small files replaced atomically. Deletion renames first, so a crash
+never leaves a half-deleted directory that still looks like a snapshot.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, List, Optional
+
+MANIFEST = "fullparam_manifest.json"
+INDEX = "model.safetensors.index.json"
+POINTERS = ("latest", "best")
+_TMP, _TRASH, _REPLACED = ".tmp-", ".trash-", ".replaced-"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_durable(path: Path, obj) -> int:
+    """Write JSON, fsync it; return its size."""
+    data = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(data)
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """Create output_dir if needed and prove it is writable, before any snapshot byte is written."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"output_dir {str(output_dir)!r} cannot be created: {e.strerror or e}") from e
+    if not output_dir.is_dir():
+        raise NotADirectoryError(f"output_dir {str(output_dir)!r} is not a directory")
+    probe = output_dir / f".write-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(f"output_dir {str(output_dir)!r} is not writable: {e.strerror or e}") from e
+
+
+def new_staging_dir(output_dir: Path, name: str) -> Path:
+    path = output_dir / f"{_TMP}{name}-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    return path
+
+
+def commit_staging(staging: Path, output_dir: Path, name: str) -> Path:
+    """Rename a complete staging dir (manifest written last) to ``output_dir/name``."""
+    if not (staging / MANIFEST).is_file():
+        raise RuntimeError(f"refusing to commit {staging}: it has no {MANIFEST}")
+    fsync_dir(staging)
+    final = output_dir / name
+    displaced = None
+    if final.exists():
+        # re-export of the same step (e.g. after a resume): move the old one aside first;
+        # cleanup_stale() puts it back if we crash before the new one is in place
+        displaced = output_dir / f"{_REPLACED}{name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, displaced)
+    os.rename(staging, final)
+    fsync_dir(output_dir)
+    if displaced is not None:
+        shutil.rmtree(displaced, ignore_errors=True)
+    return final
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a directory so that no half-deleted snapshot is ever visible."""
+    if not path.exists():
+        return
+    trash = path.parent / f"{_TRASH}{path.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def write_pointer(output_dir: Path, pointer: str, name: str) -> None:
+    tmp = output_dir / f".{pointer}.{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, output_dir / pointer)
+    fsync_dir(output_dir)
+
+
+def read_pointer(output_dir: Path, pointer: str) -> Optional[str]:
+    try:
+        name = (Path(output_dir) / pointer).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return name or None
+
+
+def cleanup_stale(output_dir: Path) -> List[str]:
+    """Remove leftovers of interrupted exports; restore a snapshot displaced by an unfinished re-export."""
+    removed = []
+    if not Path(output_dir).is_dir():
+        return removed
+    for p in sorted(Path(output_dir).iterdir()):
+        if p.name.startswith(_REPLACED) and p.is_dir():
+            original = output_dir / re.sub(r"-[0-9a-f]{8}$", "", p.name[len(_REPLACED):])
+            if not original.exists() and (p / MANIFEST).is_file():
+                os.rename(p, original)
+                continue
+        if p.name.startswith((_TMP, _TRASH, _REPLACED)) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+        elif p.name.startswith(".") and any(p.name.startswith(f".{ptr}.") for ptr in POINTERS):
+            p.unlink(missing_ok=True)
+            removed.append(p.name)
+    return removed
+
+
+@dataclass(frozen=True)
+class SnapshotEntry:
+    name: str
+    step: int
+    path: Path
+
+
+def list_snapshots(output_dir: Path, pattern: "re.Pattern[str]") -> List[SnapshotEntry]:
+    """Committed snapshots (dirs with a manifest) whose name matches ``pattern``, oldest step first."""
+    out = []
+    if not Path(output_dir).is_dir():
+        return out
+    for p in Path(output_dir).iterdir():
+        m = pattern.match(p.name)
+        if m and p.is_dir() and (p / MANIFEST).is_file():
+            out.append(SnapshotEntry(p.name, int(m.group(1)), p))
+    out.sort(key=lambda e: (e.step, e.name))
+    return out
+
+
+def apply_retention(output_dir: Path, pattern, keep_last: int, protect: Iterable[str] = ()) -> List[str]:
+    """Delete the oldest snapshots beyond ``keep_last``; never the protected ones or a pointer target."""
+    if keep_last <= 0:
+        return []
+    protected = set(protect) | {n for n in (read_pointer(output_dir, p) for p in POINTERS) if n}
+    snaps = list_snapshots(output_dir, pattern)
+    doomed = [s for s in snaps[: max(0, len(snaps) - keep_last)] if s.name not in protected]
+    for s in doomed:
+        remove_tree(s.path)
+    return [s.name for s in doomed]

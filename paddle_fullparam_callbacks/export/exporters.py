@@ -1,0 +1,116 @@
+"""Exporters: what happens to each full tensor. One small interface, three implementations.
+
+``begin(plan, staging_dir)`` once, ``write(name, tensor)`` per tensor, then ``finish()`` (returns
+the files written, for the manifest) or ``abort()`` (removes whatever was written).
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+from ..plan.export_plan import ExportPlan
+from .host import to_host_array
+from .safetensors_io import FileResult, SnapshotWriter
+
+
+class Exporter:
+    """Base class. ``writes_files`` says whether a snapshot directory is committed."""
+
+    writes_files = True
+    uses_mapping = True
+
+    def begin(self, plan: ExportPlan, staging_dir: Optional[Path], step: int) -> None:
+        raise NotImplementedError
+
+    def write(self, name: str, tensor) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> Dict[str, FileResult]:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        pass
+
+
+class SafetensorsExporter(Exporter):
+    """Sharded safetensors files following the plan, through the streaming writer."""
+
+    def __init__(self, max_pending_bytes: int, file_indices=None, background: bool = True):
+        self.max_pending_bytes = max_pending_bytes
+        self.file_indices = file_indices
+        self.background = background
+        self.writer: Optional[SnapshotWriter] = None
+
+    def begin(self, plan, staging_dir, step):
+        self.writer = SnapshotWriter(
+            plan, staging_dir, self.file_indices, max_pending_bytes=self.max_pending_bytes, background=self.background
+        )
+
+    def write(self, name, tensor):
+        self.writer.put(name, to_host_array(tensor))
+
+    def finish(self):
+        return self.writer.close()
+
+    def abort(self):
+        if self.writer is not None:
+            self.writer.abort()
+
+    @property
+    def peak_pending_bytes(self) -> int:
+        return self.writer.peak_pending_bytes if self.writer else 0
+
+
+class HFSafetensorsExporter(SafetensorsExporter):
+    """Hugging Face names and layout (after the name mapping), plus config and tokenizer files."""
+
+
+class PaddleSafetensorsExporter(SafetensorsExporter):
+    """Paddle names and layout, no mapping: loads back with ``set_state_dict`` on an unsharded model."""
+
+    uses_mapping = False
+
+
+class CallableExporter(Exporter):
+    """Hands every full tensor to ``fn(name, tensor, step=step)``; writes no snapshot."""
+
+    writes_files = False
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.step = None
+
+    def begin(self, plan, staging_dir, step):
+        self.step = step
+
+    def write(self, name, tensor):
+        self.fn(name, tensor, step=self.step)
+
+    def finish(self):
+        return {}
+
+
+def load_callable(spec: str) -> Callable:
+    """'package.module:function' -> the function (imported, never evaluated)."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"export.callable {spec!r} cannot be imported: {e}") from e
+    if not callable(obj):
+        raise ValueError(f"export.callable {spec!r} is not callable")
+    return obj
+
+
+def make_exporter(export_cfg, fn: Optional[Callable] = None) -> Exporter:
+    fmt = export_cfg.format
+    if fmt == "hf_safetensors":
+        return HFSafetensorsExporter(export_cfg.max_pending)
+    if fmt == "paddle_safetensors":
+        return PaddleSafetensorsExporter(export_cfg.max_pending)
+    if fmt == "callable":
+        return CallableExporter(fn or load_callable(export_cfg.callable))
+    raise ValueError(f"unknown export.format {fmt!r}")
