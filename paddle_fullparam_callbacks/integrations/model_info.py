@@ -50,7 +50,33 @@ def _jsonable(obj):
         return False
 
 
-def hf_config_dict(model) -> Optional[dict]:
+def weights_tied(model) -> bool:
+    """Whether the output embedding *is* the input embedding (not just what the config claims).
+
+    PaddleNLP 2.8's Llama accepts ``tie_word_embeddings=True`` but keeps a separate LM head, so
+    the config flag alone would make the snapshot drop a weight the model uses.
+    """
+    config = getattr(model, "config", None)
+    claimed = bool(getattr(config, "tie_word_embeddings", False))
+    try:
+        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return claimed
+    if inp is None or out is None:
+        return claimed
+    a, b = getattr(inp, "weight", None), getattr(out, "weight", None)
+    if a is None or b is None:
+        return claimed
+    tied = a is b
+    if claimed and not tied:
+        logger.warning(
+            "%s: config says tie_word_embeddings=True but the LM head has its own weight; "
+            "exporting lm_head.weight and writing tie_word_embeddings=false", type(model).__name__,
+        )
+    return tied
+
+
+def hf_config_dict(model, tied: bool) -> Optional[dict]:
     """config.json content for transformers: the model config with HF's required keys set."""
     config = getattr(model, "config", None)
     if config is None:
@@ -66,7 +92,7 @@ def hf_config_dict(model) -> Optional[dict]:
         out.pop("quantization_config", None)  # an empty Paddle quant config would make HF try to quantize
     if not out.get("architectures"):
         out["architectures"] = [type(model).__name__]
-    out["tie_word_embeddings"] = bool(getattr(config, "tie_word_embeddings", False))
+    out["tie_word_embeddings"] = bool(tied)
     for key in ("dtype", "torch_dtype"):
         out.pop(key, None)  # set by the exporter from the exported dtype
     return out
@@ -89,14 +115,15 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
             "(Paddle >= 3.3) so that every parameter reports its global shape and offset"
         )
     aoa, pattern = None, None
+    tied = weights_tied(model)
     if config.export.format != "paddle_safetensors":
         keys = list(model.sharded_state_dict().keys())
-        aoa, pattern = resolve_mapping(config.export.aoa, model, keys)
+        aoa, pattern = resolve_mapping(config.export.aoa, model, keys, tied=tied)
     spec = config.export.aoa
     return ModelSource(
         sharded_state_dict=model.sharded_state_dict,
         aoa_config=aoa,
-        hf_config=hf_config_dict(model) if config.export.format == "hf_safetensors" else None,
+        hf_config=hf_config_dict(model, tied) if config.export.format == "hf_safetensors" else None,
         generation_config=generation_config_dict(model) if config.export.format == "hf_safetensors" else None,
         tokenizer=tokenizer,
         framework=framework_of(model),

@@ -20,12 +20,12 @@ from ..config.schema import ConfigError
 class Preset:
     name: str
     description: str
-    statements: Callable  # (model_config, source_keys) -> list[str]
+    statements: Callable  # (tied: bool, source_keys) -> list[str]
     destination_pattern: str  # every destination name must match (catches unmapped sources)
 
 
 def _llama_statements(prefix: str) -> Callable:
-    def build(model_config, source_keys) -> list:
+    def build(tied, source_keys) -> list:
         p = prefix
         L = "$LAYER_ID"
         out = [
@@ -39,7 +39,7 @@ def _llama_statements(prefix: str) -> Callable:
                 src = f"{p}.layers.{L}.{mod}.{proj}_proj.weight"
                 out.append(f"{src}^T -> model.layers.{L}.{mod}.{proj}_proj.weight")
         if "lm_head.weight" in source_keys:
-            if getattr(model_config, "tie_word_embeddings", False):
+            if tied:
                 out.append("lm_head.weight -> _")
             else:
                 out.append("lm_head.weight^T -> lm_head.weight")
@@ -63,9 +63,9 @@ AUTO_PRESETS = {
 }
 
 
-def _tie_statements(model_config, source_keys: Iterable[str], statements: list) -> list:
+def _tie_statements(tied: bool, source_keys: Iterable[str], statements: list) -> list:
     """With tied embeddings the HF file has no lm_head.weight (transformers ties it on load)."""
-    if "lm_head.weight" in set(source_keys) and getattr(model_config, "tie_word_embeddings", False):
+    if "lm_head.weight" in set(source_keys) and tied:
         if not any(re.search(r"(^|\s)lm_head\.weight(\^T)?\s*->", s) for s in statements):
             return statements + ["lm_head.weight -> _"]
     return statements
@@ -94,10 +94,11 @@ def _load_mapping_file(path: Path) -> dict:
     return {"aoa_statements": list(obj["aoa_statements"]), "aoa_config_reverse": bool(obj.get("aoa_config_reverse", False))}
 
 
-def resolve_mapping(spec, model, source_keys: Iterable[str]) -> tuple:
+def resolve_mapping(spec, model, source_keys: Iterable[str], tied: bool = False) -> tuple:
     """Turn ``export.aoa`` into (aoa_config, destination_pattern or None).
 
-    ``spec``: 'auto' | preset name | path to .json/.yaml | list of statements.
+    ``spec``: 'auto' | preset name | path to .json/.yaml | list of statements. ``tied``: the
+    output embedding really is the input embedding (then lm_head.weight is not exported).
     """
     source_keys = list(source_keys)
     model_config = getattr(model, "config", None)
@@ -106,7 +107,7 @@ def resolve_mapping(spec, model, source_keys: Iterable[str]) -> tuple:
     if spec == "auto":
         if hasattr(model, "_gen_inv_aoa_config"):
             cfg = dict(model._gen_inv_aoa_config(model_config))
-            cfg["aoa_statements"] = _tie_statements(model_config, source_keys, list(cfg.get("aoa_statements", [])))
+            cfg["aoa_statements"] = _tie_statements(tied, source_keys, list(cfg.get("aoa_statements", [])))
             return cfg, None
         if hasattr(model, "_gen_aoa_config"):
             cfg = dict(model._gen_aoa_config(model_config))
@@ -123,7 +124,7 @@ def resolve_mapping(spec, model, source_keys: Iterable[str]) -> tuple:
         spec = preset
     if spec in PRESETS:
         p = PRESETS[spec]
-        return {"aoa_statements": p.statements(model_config, source_keys)}, p.destination_pattern
+        return {"aoa_statements": p.statements(tied, source_keys)}, p.destination_pattern
     path = Path(str(spec))
     if path.suffix in (".json", ".yaml", ".yml") or path.exists():
         if not path.is_file():
