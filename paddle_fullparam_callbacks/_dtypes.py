@@ -59,4 +59,6 @@ def lookup(name: str) -> DType:
 
 def as_bytes_view(array: np.ndarray) -> memoryview:
     """A flat, C-contiguous byte view of ``array`` (copies only if it is not contiguous)."""
+    if array.size == 0:
+        return memoryview(b"")
     return memoryview(np.ascontiguousarray(array)).cast("B")

@@ -51,9 +51,12 @@ def _error_key(e: OmegaConfBaseException) -> str:
 def load_config(
     recipe: "str | os.PathLike | None" = None,
     overrides: Optional[Sequence[str]] = None,
+    *,
+    base: "dict | FullParamConfig | None" = None,
 ) -> FullParamConfig:
     """Load a recipe (bundled name or path), apply ``key=value`` overrides, validate, return the config.
 
+    ``base`` (a dict of recipe keys or a config object) is merged first, in place of a recipe.
     Unknown keys, wrong types and bad values raise :class:`ConfigError` naming the key.
     Interpolations are not allowed (a recipe is data, never code).
 
@@ -62,6 +65,8 @@ def load_config(
     """
     layers = [OmegaConf.structured(FullParamConfig)]
     try:
+        if base is not None:
+            layers.append(OmegaConf.structured(base) if isinstance(base, FullParamConfig) else OmegaConf.create(base))
         if recipe is not None:
             path = resolve_recipe(recipe)
             try:
@@ -109,23 +114,8 @@ def coerce_config(
 ) -> FullParamConfig:
     """Accept a config object, a recipe (name/path), a plain dict, or None (defaults)."""
     overrides = list(overrides)
-    if isinstance(config, FullParamConfig):
-        if not overrides:
-            return config
-        base = OmegaConf.structured(config)
-        try:
-            return OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.from_dotlist(overrides)))
-        except OmegaConfBaseException as e:
-            raise ConfigError(str(_error_key(e)), str(e).splitlines()[0]) from e
-    if isinstance(config, dict):
-        dotlist = [f"{k}={v}" for k, v in _flatten(config)]
-        return load_config(None, dotlist + overrides)
+    if isinstance(config, FullParamConfig) and not overrides:
+        return config
+    if isinstance(config, (FullParamConfig, dict)):
+        return load_config(None, overrides, base=config)
     return load_config(config, overrides)
-
-
-def _flatten(d: dict, prefix: str = ""):
-    for k, v in d.items():
-        if isinstance(v, dict):
-            yield from _flatten(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v

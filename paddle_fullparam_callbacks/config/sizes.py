@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 _UNITS = {
     "B": 1,
@@ -31,7 +32,7 @@ def parse_size(value: "str | int") -> int:
     number, unit = m.group(1), (m.group(2) or "B").upper()
     if unit not in _UNITS:
         raise ValueError(f"unknown size unit in {value!r}; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    size = int(float(number) * _UNITS[unit])
+    size = int(Decimal(number) * _UNITS[unit])  # exact: no float rounding
     if size <= 0:
         raise ValueError(f"size must be positive, got {value!r}")
     return size

@@ -96,7 +96,8 @@ def natural_key(name: str):
     >>> sorted(["l.10.w", "l.2.w", "emb"], key=natural_key)
     ['emb', 'l.2.w', 'l.10.w']
     """
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name) if p)
+    parts = tuple((0, int(p), "") if p.isdecimal() else (1, 0, p) for p in re.split(r"(\d+)", name) if p)
+    return parts + ((2, 0, name),)  # the raw name breaks ties ("a1" vs "a01"): a total order
 
 
 def build_header(slots: Sequence[TensorSlot], metadata: "dict | None") -> bytes:
@@ -125,7 +126,10 @@ def _validate_specs(specs: Sequence[TensorSpec]) -> None:
         seen.add(t.name)
         if any(d < 0 for d in t.shape):
             raise ValueError(f"tensor {t.name!r} has an invalid shape {t.shape!r}")
-        _dtypes.lookup(t.dtype)
+        try:
+            _dtypes.lookup(t.dtype)
+        except ValueError as e:
+            raise ValueError(f"tensor {t.name!r}: {e}") from e
 
 
 def build_export_plan(

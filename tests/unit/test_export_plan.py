@@ -260,8 +260,7 @@ def test_tensor_spec_rejects_non_integer_shape():
         TensorSpec("f.w", (2.5,), "float32")
 
 
-# ---- known bugs (strict xfail: they start failing once the bug is fixed) ----------------------
-@pytest.mark.xfail(strict=True, reason="BUG: names equal under natural_key (a1/a01) keep input order")
+# ---- regressions of bugs found and fixed -----------------------------------------------------
 def test_plan_independent_of_order_with_leading_zeros():
     specs = [TensorSpec("a1", (2,), "float32"), TensorSpec("a01", (2,), "float32")]
     forward = build_export_plan(specs, 1000)
@@ -269,7 +268,6 @@ def test_plan_independent_of_order_with_leading_zeros():
     assert forward.files[0].header == backward.files[0].header
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: unknown-dtype message does not name the tensor")
 def test_unknown_dtype_message_names_tensor():
     with pytest.raises(ValueError, match=r"odd\.w"):
         build_export_plan([TensorSpec("odd.w", (2,), "float33")], 10)

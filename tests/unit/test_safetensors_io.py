@@ -416,8 +416,7 @@ def test_read_header_rejects_damaged_file(good_file, damage, match):
         read_tensor(good_file, "a")
 
 
-# ---- known bugs (strict xfail: they start failing once the bug is fixed) ----------------------
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="BUG: put() of a zero-size tensor with 2+ dims fails")
+# ---- regressions of bugs found and fixed -----------------------------------------------------
 def test_zero_size_multidim_tensor_round_trips(tmp_path):
     plan = build_export_plan([TensorSpec("e", (0, 4), "float32"), TensorSpec("w", (2,), "float32")], 1000)
     w = SnapshotWriter(plan, tmp_path, background=False)

@@ -1,0 +1,188 @@
+"""Shared helpers for the benchmarks in bench/: model building, RSS sampling, machine facts.
+
+Nothing here imports paddle at module import time, so the parent (orchestrating) process of a
+benchmark stays light; each measured variant runs in its own child process.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+
+# The ~600 MB float32 Llama every single-process benchmark uses.
+LLAMA_KWARGS = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    max_position_embeddings=2048,
+    fuse_rms_norm=False,
+    tie_word_embeddings=False,
+)
+
+
+def quiet_logs() -> None:
+    """Silence the chatty paddle/paddleformers loggers (per-parameter INFO lines would cost time)."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("paddleformers", "paddle", "paddlenlp", "paddle_fullparam_callbacks"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:  # paddleformers has its own logger object
+        from paddleformers.utils.log import logger as pf_logger
+
+        pf_logger.set_level("WARNING")
+    except Exception:
+        pass
+
+
+def build_llama(seed: int = 0, dtype: str = "float32"):
+    """PaddleFormers LlamaForCausalLM with LLAMA_KWARGS, deterministic weights, eval mode."""
+    import paddle
+
+    paddle.set_device("cpu")
+    paddle.set_default_dtype(dtype)
+    paddle.seed(seed)
+    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA_KWARGS))
+    model.eval()
+    return model
+
+
+def parameter_bytes(model) -> int:
+    """Total bytes of the model's parameters (each parameter object counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += int(p.numel()) * p.element_size()
+    return total
+
+
+def rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def ru_maxrss_bytes() -> int:
+    """Peak RSS of this process over its whole life (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class RssSampler:
+    """Samples this process's RSS in a background thread every ``interval`` seconds.
+
+    Use as a context manager around the timed region: ``baseline`` is read on entry, ``peak``
+    is the largest sample seen (entry and exit included).
+    """
+
+    def __init__(self, interval: float = 0.002):
+        import psutil
+
+        self.interval = interval
+        self._proc = psutil.Process()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.baseline = 0
+        self.peak = 0
+        self.samples = 0
+
+    def _sample(self) -> None:
+        rss = self._proc.memory_info().rss
+        if rss > self.peak:
+            self.peak = rss
+        self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> "RssSampler":
+        self.baseline = self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._sample()
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def extra(self) -> int:
+        return max(0, self.peak - self.baseline)
+
+
+def median(xs: List[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def tree_bytes(path: "str | os.PathLike") -> Dict[str, int]:
+    """{relative file path: size} of every file under ``path``."""
+    root = Path(path)
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def machine_info() -> dict:
+    import psutil
+
+    info = {
+        "nproc": os.cpu_count(),
+        "total_ram_bytes": psutil.virtual_memory().total,
+        "total_ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", "import paddle, paddleformers, numpy, safetensors;"
+             "print(paddle.__version__, paddleformers.__version__, numpy.__version__, safetensors.__version__)"],
+            capture_output=True, text=True, timeout=120,
+        ).stdout.split()
+        info.update(dict(zip(("paddle", "paddleformers", "numpy", "safetensors"), out[-4:])))
+    except Exception as e:  # informational only
+        info["versions_error"] = str(e)
+    return info
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def run_child(argv: List[str], timeout: float = 900) -> dict:
+    """Run ``python argv...`` in a fresh process; its last stdout line must be a JSON object."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + "\n" + proc.stderr[-8000:])
+        raise RuntimeError(f"child {argv} exited with {proc.returncode}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        sys.stderr.write(proc.stdout[-4000:] + "\n" + proc.stderr[-8000:])
+        raise RuntimeError(f"child {argv} printed no JSON result")
+    result = json.loads(lines[-1])
+    result["process_seconds"] = time.perf_counter() - t0
+    return result

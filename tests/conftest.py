@@ -1,0 +1,25 @@
+"""Shared fixtures. Marker policy: `paddleformers` / `paddlenlp` tests run in their own
+environment (the Makefile selects them with -m); unmarked tests run in both."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def hf_python() -> str:
+    """Interpreter of the real-client environment (torch + transformers), created if needed."""
+    path = os.environ.get("PFC_HF_PYTHON")
+    if not path:
+        path = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "env.sh"), "hf"], check=True, capture_output=True, text=True
+        ).stdout.strip()
+    return path
