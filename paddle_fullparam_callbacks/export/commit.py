@@ -43,12 +43,12 @@ def write_json_durable(path: Path, obj) -> int:
 
 def check_output_dir(output_dir: Path) -> None:
     """Create output_dir if needed and prove it is writable, before any snapshot byte is written."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise NotADirectoryError(f"output_dir {str(output_dir)!r} is not a directory")
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OSError(f"output_dir {str(output_dir)!r} cannot be created: {e.strerror or e}") from e
-    if not output_dir.is_dir():
-        raise NotADirectoryError(f"output_dir {str(output_dir)!r} is not a directory")
     probe = output_dir / f".write-probe-{uuid.uuid4().hex[:8]}"
     try:
         probe.write_bytes(b"")

@@ -1,0 +1,71 @@
+"""PaddleNLP 2.8: the Llama preset (rename + transposes) and the callback in its Trainer."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.paddlenlp
+pytest.importorskip("paddlenlp")
+
+from paddle_fullparam_callbacks import FullParamExportCallback, verify_snapshot  # noqa: E402
+from paddle_fullparam_callbacks.cli.demo import make_tiny_llama, make_trainer, trainer_args  # noqa: E402
+from paddle_fullparam_callbacks.config import load_config  # noqa: E402
+from paddle_fullparam_callbacks.export import ExportSession  # noqa: E402
+from paddle_fullparam_callbacks.integrations.model_info import build_model_source  # noqa: E402
+
+from _helpers import (  # noqa: E402
+    assert_bitwise_equal, expected_hf_tensors, paddle_logits, run_hf_client, snapshot_tensors,
+)
+
+
+def _hf_name(n):
+    return "model." + n[len("llama."):] if n.startswith("llama.") else n
+
+
+def _export(model, out, *overrides, step=1):
+    cfg = load_config(None, [f"output_dir={out}", *overrides])
+    session = ExportSession(cfg, out)
+    session.start()
+    return session.export(build_model_source(model, cfg), step)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_preset_round_trip_bitwise(tmp_path, dtype):
+    model = make_tiny_llama("paddlenlp", seed=2)
+    info = _export(model, tmp_path, f"export.dtype={'keep' if dtype == 'float32' else dtype}", "export.max_shard_size=100KB")
+    assert verify_snapshot(info.path).ok
+    got = snapshot_tensors(info.path)
+    assert_bitwise_equal(got, expected_hf_tensors(model, _hf_name, lm_head_is_linear=True, dtype=dtype))
+
+
+@pytest.mark.hf_client
+@pytest.mark.parametrize("claims_tied", [False, True])
+def test_transformers_loads_paddlenlp_snapshot_with_same_logits(tmp_path, hf_python, claims_tied):
+    # PaddleNLP 2.8 accepts tie_word_embeddings=True but keeps a separate LM head: the snapshot
+    # must carry lm_head.weight and say tie_word_embeddings=false, or the logits differ
+    model = make_tiny_llama("paddlenlp", seed=12, tie_word_embeddings=claims_tied)
+    ids = np.random.default_rng(1).integers(0, 512, (2, 20))
+    logits = paddle_logits(model, ids)
+    info = _export(model, tmp_path / "out")
+    assert json.loads((info.path / "config.json").read_text())["tie_word_embeddings"] is False
+    report = run_hf_client(hf_python, info.path, ids, logits, tmp_path)
+    assert report["missing_keys"] == [] and report["unexpected_keys"] == []
+    assert report["max_abs_diff"] <= 1e-4, report
+
+
+@pytest.mark.slow
+def test_callback_in_paddlenlp_trainer(tmp_path):
+    out = tmp_path / "snaps"
+    cb = FullParamExportCallback(None, overrides=[f"output_dir={out}", "trigger.every_n_steps=5", "retention.keep_last=2"])
+    model = make_tiny_llama("paddlenlp", seed=0)
+    args = trainer_args("paddlenlp", str(tmp_path / "trainer"), 12, save_steps=6)
+    make_trainer("paddlenlp", model, args, [cb]).train()
+    assert cb.events == ["every_n_steps@5", "save@6", "every_n_steps@10", "save@12"] and cb.errors == []
+    assert sorted(os.listdir(out)) == ["hf-step-000010", "hf-step-000012", "latest"]
+    for name in ("hf-step-000010", "hf-step-000012"):
+        assert verify_snapshot(out / name).ok
+    got = snapshot_tensors(out / "hf-step-000012")
+    assert_bitwise_equal(got, expected_hf_tensors(model, _hf_name, lm_head_is_linear=True))

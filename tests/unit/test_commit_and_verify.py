@@ -1,0 +1,147 @@
+"""Commit protocol (staging, rename, pointers, retention, cleanup) and verify, without Paddle."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paddle_fullparam_callbacks.export import commit
+from paddle_fullparam_callbacks.export.manifest import describe_files
+from paddle_fullparam_callbacks.export.safetensors_io import SnapshotWriter
+from paddle_fullparam_callbacks.export.verify import verify_snapshot
+from paddle_fullparam_callbacks.plan.export_plan import TensorSpec, build_export_plan
+from paddle_fullparam_callbacks.plan.naming import snapshot_step_pattern
+
+PATTERN = snapshot_step_pattern("hf-step-{step:06d}")
+
+
+def make_snapshot(output_dir: Path, step: int, n: int = 6) -> Path:
+    """A real committed snapshot: shards through the writer, index, manifest last, rename."""
+    specs = [TensorSpec(f"layers.{i}.w", (4, 8), "float32") for i in range(n)]
+    plan = build_export_plan(specs, 200)
+    staging = commit.new_staging_dir(output_dir, f"hf-step-{step:06d}")
+    w = SnapshotWriter(plan, staging)
+    for s in specs:
+        w.put(s.name, np.full(s.shape, step, np.float32))
+    files = {k: (v.bytes, v.sha256) for k, v in w.close().items()}
+    commit.write_json_durable(staging / commit.INDEX, plan.index())
+    files.update(describe_files(staging, [commit.INDEX]))
+    manifest = {"step": step, "num_tensors": n, "files": {k: {"bytes": b, "sha256": h} for k, (b, h) in files.items()}}
+    commit.write_json_durable(staging / commit.MANIFEST, manifest)
+    return commit.commit_staging(staging, output_dir, f"hf-step-{step:06d}")
+
+
+def test_commit_refuses_a_staging_dir_without_manifest(tmp_path):
+    staging = commit.new_staging_dir(tmp_path, "hf-step-000001")
+    with pytest.raises(RuntimeError, match="no fullparam_manifest.json"):
+        commit.commit_staging(staging, tmp_path, "hf-step-000001")
+    assert not (tmp_path / "hf-step-000001").exists()
+
+
+def test_listing_ignores_dirs_without_manifest_and_staging(tmp_path):
+    make_snapshot(tmp_path, 10)
+    (tmp_path / "hf-step-000020").mkdir()  # looks like a snapshot, has no manifest
+    commit.new_staging_dir(tmp_path, "hf-step-000030")
+    assert [s.name for s in commit.list_snapshots(tmp_path, PATTERN)] == ["hf-step-000010"]
+
+
+def test_cleanup_removes_leftovers_and_restores_a_displaced_snapshot(tmp_path):
+    snap = make_snapshot(tmp_path, 10)
+    commit.new_staging_dir(tmp_path, "hf-step-000011")
+    (tmp_path / ".trash-hf-step-000001-deadbeef").mkdir()
+    # a crash in the middle of a re-export: the old snapshot was moved aside, the new one not in place
+    os.rename(snap, tmp_path / ".replaced-hf-step-000010-0123abcd")
+    removed = commit.cleanup_stale(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["hf-step-000010"]
+    assert len(removed) == 2 and verify_snapshot(tmp_path / "hf-step-000010").ok
+
+
+def test_retention_keeps_newest_and_never_the_pointer_targets(tmp_path):
+    for step in (1, 2, 3, 4, 5):
+        make_snapshot(tmp_path, step)
+    commit.write_pointer(tmp_path, "best", "hf-step-000001")
+    commit.write_pointer(tmp_path, "latest", "hf-step-000005")
+    removed = commit.apply_retention(tmp_path, PATTERN, keep_last=2, protect=["hf-step-000003"])
+    assert removed == ["hf-step-000002"]
+    assert [s.step for s in commit.list_snapshots(tmp_path, PATTERN)] == [1, 3, 4, 5]
+    assert commit.apply_retention(tmp_path, PATTERN, keep_last=0) == []
+
+
+def test_pointer_is_replaced_atomically(tmp_path):
+    commit.write_pointer(tmp_path, "latest", "a")
+    commit.write_pointer(tmp_path, "latest", "b")
+    assert commit.read_pointer(tmp_path, "latest") == "b"
+    assert sorted(os.listdir(tmp_path)) == ["latest"]
+
+
+def test_check_output_dir_names_the_cause(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(OSError, match="cannot be created"):
+        commit.check_output_dir(f / "sub")
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        commit.check_output_dir(f)
+
+
+# ---- verify catches damage -----------------------------------------------------------------
+
+@pytest.fixture
+def snap(tmp_path):
+    return make_snapshot(tmp_path, 7)
+
+
+def test_verify_ok(snap):
+    r = verify_snapshot(snap)
+    assert r.ok and r.tensors == 6 and r.files == len(list(snap.iterdir())) - 1 and r.errors == []
+
+
+def _shards(snap):
+    return sorted(snap.glob("*.safetensors"))
+
+
+def test_verify_truncated_shard(snap):
+    p = _shards(snap)[0]
+    p.write_bytes(p.read_bytes()[:-10])
+    r = verify_snapshot(snap)
+    assert not r.ok and any(p.name in e and "bytes" in e for e in r.errors)
+
+
+def test_verify_flipped_byte(snap):
+    p = _shards(snap)[-1]
+    b = bytearray(p.read_bytes())
+    b[-3] ^= 1
+    p.write_bytes(bytes(b))
+    r = verify_snapshot(snap)
+    assert [e for e in r.errors if "sha256" in e and p.name in e]
+
+
+def test_verify_missing_shard(snap):
+    p = _shards(snap)[1]
+    p.unlink()
+    r = verify_snapshot(snap)
+    assert any(p.name in e and "missing" in e for e in r.errors)
+
+
+def test_verify_index_entry_without_tensor_and_tensor_not_indexed(snap):
+    idx = json.loads((snap / commit.INDEX).read_text())
+    wm = idx["weight_map"]
+    name, fname = next(iter(wm.items()))
+    wm["ghost.weight"] = fname
+    del wm[name]
+    (snap / commit.INDEX).write_text(json.dumps(idx))
+    # keep the manifest consistent with the edited index so only the tensor checks fire
+    m = json.loads((snap / commit.MANIFEST).read_text())
+    m["files"][commit.INDEX] = {"bytes": (snap / commit.INDEX).stat().st_size, "sha256": describe_files(snap, [commit.INDEX])[commit.INDEX][1]}
+    (snap / commit.MANIFEST).write_text(json.dumps(m))
+    errors = verify_snapshot(snap).errors
+    assert any("'ghost.weight'" in e and "no such tensor" in e for e in errors)
+    assert any(repr(name) in e and "not in model.safetensors.index.json" in e for e in errors)
+
+
+def test_verify_manifest_missing(snap):
+    (snap / commit.MANIFEST).unlink()
+    r = verify_snapshot(snap)
+    assert not r.ok and any("fullparam_manifest.json: missing" in e for e in r.errors)
