@@ -32,12 +32,12 @@ test: test-paddleformers test-paddlenlp
 test-paddleformers:
 	@PY=$$($(ENV) paddleformers); HF=$$($(ENV) hf); $(call install,$$PY); \
 	echo "== tests in the PaddleFormers environment"; \
-	PFC_HF_PYTHON=$$HF $$PY -m pytest tests -m "not paddlenlp" $(PYTEST_ARGS)
+	PFC_HF_PYTHON=$$HF $$PY -m pytest tests --ignore-glob='tests/test_pnlp_*' $(PYTEST_ARGS)
 
 test-paddlenlp:
 	@PY=$$($(ENV) paddlenlp); HF=$$($(ENV) hf); $(call install,$$PY); \
 	echo "== tests in the PaddleNLP environment"; \
-	PFC_HF_PYTHON=$$HF $$PY -m pytest tests -m "not paddleformers" $(PYTEST_ARGS)
+	PFC_HF_PYTHON=$$HF $$PY -m pytest tests --ignore-glob='tests/test_pf_*' $(PYTEST_ARGS)
 
 bench:
 	@PY=$$($(ENV) paddleformers); $(call install,$$PY); \

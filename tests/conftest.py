@@ -1,5 +1,6 @@
-"""Shared fixtures. Marker policy: `paddleformers` / `paddlenlp` tests run in their own
-environment (the Makefile selects them with -m); unmarked tests run in both."""
+"""Shared fixtures. `tests/test_pf_*` need PaddleFormers and run in its environment,
+`tests/test_pnlp_*` need PaddleNLP and run in its own (the Makefile picks the files);
+everything else runs in both."""
 from __future__ import annotations
 
 import json

@@ -9,9 +9,8 @@ import pytest
 
 pytestmark = pytest.mark.paddleformers
 
-paddle = pytest.importorskip("paddle")
-pytest.importorskip("paddleformers")
 
+import paddle  # noqa: E402
 from paddle_fullparam_callbacks.cli.demo import make_tiny_llama  # noqa: E402
 from paddle_fullparam_callbacks.config import ConfigError, load_config  # noqa: E402
 from paddle_fullparam_callbacks.export import ExportError, ExportSession, verify_snapshot  # noqa: E402

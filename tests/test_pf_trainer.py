@@ -7,7 +7,6 @@ import os
 import pytest
 
 pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
-pytest.importorskip("paddleformers")
 
 from paddle_fullparam_callbacks import ConfigError, FullParamExportCallback, verify_snapshot  # noqa: E402
 from paddle_fullparam_callbacks.cli.demo import make_tiny_llama, make_trainer, trainer_args  # noqa: E402

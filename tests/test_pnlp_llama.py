@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.paddlenlp
-pytest.importorskip("paddlenlp")
 
 from paddle_fullparam_callbacks import FullParamExportCallback, verify_snapshot  # noqa: E402
 from paddle_fullparam_callbacks.cli.demo import make_tiny_llama, make_trainer, trainer_args  # noqa: E402
