@@ -18,6 +18,9 @@ def to_host_array(tensor) -> np.ndarray:
 
     if not tensor.place.is_cpu_place():
         tensor = tensor.cpu()
+    if not tensor.stop_gradient:
+        # Paddle refuses DLPack on tensors that require grad; detach() shares the memory
+        tensor = tensor.detach()
     dt = _dtypes.lookup(str(tensor.dtype))
     try:
         if dt.name == "bfloat16":
