@@ -158,27 +158,38 @@ def test_mapping_that_does_not_apply_fails_before_any_byte(tmp_path):
     assert _nothing_written(tmp_path)
 
 
-def test_mapping_file_leaving_a_tensor_unfilled(tmp_path):
+def test_mapping_file_with_split_assembles_each_part(tmp_path):
     model = make_tiny_llama(seed=1, tie_word_embeddings=False)
     mapping = tmp_path / "map.json"
-    # split q_proj in two halves but only route the first half to the destination
     mapping.write_text(json.dumps([
         "model.layers.0.self_attn.q_proj.weight -> qa, qb, axis=1",
         "qa -> model.layers.0.self_attn.q_half.weight",
-        "qb -> _",
     ]))
-    cfg = load_config(None, [f"output_dir={tmp_path / 'out'}", f"export.aoa={mapping}"])
-    session = ExportSession(cfg, tmp_path / "out")
-    session.start()
-    try:
-        info = session.export(build_model_source(model, cfg), 1)
-    except Exception as e:  # either the engine or our coverage check refuses it, by name
-        assert "q_" in str(e) or "mapping" in str(e)
-        assert _nothing_written(tmp_path / "out")
-    else:  # if Paddle accepts the statements, the half tensor must be exactly the first half
-        got = snapshot_tensors(info.path)["model.layers.0.self_attn.q_half.weight"]
-        q = model.state_dict()["model.layers.0.self_attn.q_proj.weight"].numpy()
-        assert np.array_equal(got, q[:, : q.shape[1] // 2])
+    info = _export(model, tmp_path / "out", f"export.aoa={mapping}")
+    got = snapshot_tensors(info.path)
+    q = model.state_dict()["model.layers.0.self_attn.q_proj.weight"].numpy()
+    assert np.array_equal(got["model.layers.0.self_attn.q_half.weight"], q[:, : q.shape[1] // 2])
+    assert np.array_equal(got["qb"], q[:, q.shape[1] // 2:])
+
+
+@pytest.mark.parametrize("boxes, message", [
+    ([((0, 0), (4, 4))], "is not filled: the mapping covers 16 of 32 elements"),
+    ([((0, 0), (4, 8)), ((0, 4), (4, 4))], "is written more than once"),
+    ([((0, 0), (4, 6)), ((0, 2), (4, 2))], "is written more than once"),
+])
+def test_coverage_check_names_the_destination(boxes, message):
+    from paddle.distributed.flex_checkpoint.aoa.aoa_engine import ShardMappingEntry
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
+
+    from paddle_fullparam_callbacks.assemble.mapping import MappingError, _check_coverage
+
+    entries = [
+        ShardMappingEntry(ShardedWeightDesc("dst.w", shape, (4, 8), off, "float32"),
+                          ShardedWeightDesc("src.w", shape, (4, 8), off, "float32"), None)
+        for off, shape in boxes
+    ]
+    with pytest.raises(MappingError, match=r"destination tensor 'dst.w' \[4, 8\] " + message.split(":")[0]):
+        _check_coverage("dst.w", (4, 8), entries)
 
 
 def test_failed_write_leaves_no_snapshot(tmp_path, monkeypatch):

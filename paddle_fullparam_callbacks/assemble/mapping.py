@@ -119,16 +119,19 @@ def _check_coverage(name: str, shape: tuple, mapping: list) -> None:
     """Every element of the destination filled by exactly one source slice."""
     total = math.prod(shape)
     covered = sum(math.prod(e.target_slice.local_shape) for e in mapping)
-    if covered < total or (covered == total and _overlaps(mapping)):
-        raise MappingError(
-            f"destination tensor {name!r} {list(shape)} is not filled: the mapping covers "
-            f"{covered} of {total} elements; check the aoa statements that produce it"
-        )
-    if covered > total or _overlaps(mapping):
+    overlap = _overlaps(mapping)
+    if covered == total and not overlap:
+        return
+    if overlap:
+        unfilled = " and leaves elements unfilled" if covered <= total else ""
         raise MappingError(
             f"destination tensor {name!r} {list(shape)} is written more than once by the mapping "
-            f"({covered} element writes for {total} elements)"
+            f"(overlapping source slices{unfilled}); check the aoa statements that produce it"
         )
+    raise MappingError(
+        f"destination tensor {name!r} {list(shape)} is not filled: the mapping covers "
+        f"{covered} of {total} elements; check the aoa statements that produce it"
+    )
 
 
 def _overlaps(mapping: list) -> bool:
