@@ -3,7 +3,8 @@
 The writer carries out an :class:`ExportPlan`: each file's header is known in advance, each
 tensor's bytes go to their planned offset as they arrive, and the SHA-256 of a file is computed
 on the way when tensors arrive in file order (the usual case), or by one read-back otherwise.
-A background thread does the disk writes and hashing so that assembly overlaps I/O; the bytes
+A background thread does the disk writes (and another the hashing) so that assembly, I/O and
+SHA-256 overlap; the bytes
 it holds for tensors not yet on disk never exceed ``max_pending_bytes`` (one tensor larger than
 that is let through alone).
 """
@@ -77,11 +78,65 @@ def _contiguous_blocks(array: np.ndarray):
         yield np.ascontiguousarray(array[r:r + rows])
 
 
+class _Hasher:
+    """SHA-256 on a thread of its own, fed in order: hashing overlaps the disk writes.
+
+    ``hashlib`` releases the GIL on large buffers, so on two cores this runs beside ``pwrite``.
+    At most ``max_blocks`` blocks wait (each at most a tensor view or an 8 MB copy).
+    """
+
+    def __init__(self, max_blocks: int = 4):
+        self._queue: "queue.Queue" = queue.Queue(maxsize=max_blocks)
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="pfc-hash", daemon=True)
+        self._thread.start()
+
+    def update(self, h, buf) -> None:
+        self._queue.put((h, buf))
+
+    def drain(self) -> None:
+        """Wait until every queued update is applied."""
+        self._queue.join()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:
+                    item[0].update(item[1])
+            except BaseException as e:  # surfaced by drain()
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+
+class _InlineHasher:
+    """The same interface, hashing on the caller's thread (for background=False)."""
+
+    def update(self, h, buf) -> None:
+        h.update(buf)
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class _FileState:
     """One file being written: the sequential cursor, the hash, and the slots still missing."""
 
-    def __init__(self, directory: Path, spec: ShardFile):
+    def __init__(self, directory: Path, spec: ShardFile, hasher):
         self.spec = spec
+        self.hasher = hasher
         self.path = directory / spec.name
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.base = len(spec.header)
@@ -104,7 +159,7 @@ class _FileState:
             buf = _dtypes.as_bytes_view(block)
             _pwrite_all(self.fd, buf, offset)
             if hash_it:
-                self.hash.update(buf)
+                self.hasher.update(self.hash, buf)
             offset += len(buf)
         self.written.add(slot.name)
 
@@ -112,6 +167,7 @@ class _FileState:
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
+        self.hasher.drain()
         digest = sha256_file(self.path) if self.rehash else self.hash.hexdigest()
         return FileResult(self.spec.name, self.spec.total_bytes, digest)
 
@@ -156,6 +212,7 @@ class SnapshotWriter:
         self.peak_pending_bytes = 0
         self._queue: "queue.Queue" = queue.Queue()
         self._thread = None
+        self._hasher = _Hasher() if background else _InlineHasher()
         if background:
             self._thread = threading.Thread(target=self._run, name="pfc-writer", daemon=True)
             self._thread.start()
@@ -208,12 +265,14 @@ class SnapshotWriter:
                 state = self._state(i)
                 self._drain_stash(state)
                 self._results[i] = state.finish()
+        self._hasher.close()
         _fsync_dir(self.directory)
         return {r.name: r for r in self._results.values()}
 
     def abort(self) -> None:
         self._aborted = True
         self._stop_thread()
+        self._hasher.close()
         for state in self._states.values():
             state.close_quietly()
         for spec in self.files.values():
@@ -229,7 +288,7 @@ class SnapshotWriter:
     def _state(self, index: int) -> _FileState:
         st = self._states.get(index)
         if st is None:
-            st = self._states[index] = _FileState(self.directory, self.files[index])
+            st = self._states[index] = _FileState(self.directory, self.files[index], self._hasher)
         return st
 
     def _accept(self, slot: TensorSlot, array: np.ndarray) -> None:
