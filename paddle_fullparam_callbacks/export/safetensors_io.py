@@ -4,9 +4,8 @@ The writer carries out an :class:`ExportPlan`: each file's header is known in ad
 tensor's bytes go to their planned offset as they arrive, and the SHA-256 of a file is computed
 on the way when tensors arrive in file order (the usual case), or by one read-back otherwise.
 A background thread does the disk writes (and another the hashing) so that assembly, I/O and
-SHA-256 overlap; the bytes
-it holds for tensors not yet on disk never exceed ``max_pending_bytes`` (one tensor larger than
-that is let through alone).
+SHA-256 overlap; the bytes it holds for tensors not yet on disk never exceed
+``max_pending_bytes`` (one tensor larger than that is let through alone).
 """
 from __future__ import annotations
 
