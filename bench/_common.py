@@ -131,6 +131,22 @@ class RssSampler:
         return max(0, self.peak - self.baseline)
 
 
+def trim_heap() -> bool:
+    """Return freed heap memory to the OS (glibc ``malloc_trim(0)``), so that RSS counts live memory.
+
+    Memory freed while building the model may otherwise stay resident, and a later allocation
+    would reuse it without raising RSS, hiding it from the "peak extra RSS" of the timed region.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def median(xs: List[float]) -> float:
     return float(statistics.median(xs))
 
@@ -161,6 +177,19 @@ def machine_info() -> dict:
     except Exception as e:  # informational only
         info["versions_error"] = str(e)
     return info
+
+
+def git_commit() -> str:
+    """HEAD of the repository holding bench/, with '+dirty' if the package has local changes."""
+    repo = BENCH_DIR.parent
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--", "paddle_fullparam_callbacks"],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except Exception:
+        return "unknown"
 
 
 def now_iso() -> str:

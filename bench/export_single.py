@@ -21,9 +21,10 @@ untied LM head, built with ``paddle.seed(0)``):
 Each repetition runs every variant in its own fresh Python process (this script re-invoked with
 ``--variant X --out DIR``), interleaved a, b, c, a, b, c, ..., each writing into a fresh
 directory under /tmp that is deleted afterwards. The figures are medians over repetitions.
-Inside a child, the RSS baseline is read right before the timed region and the RSS is sampled
-every 2 ms in a background thread during it; "peak extra RSS" = peak - baseline, reported as a
-fraction of the model's parameter bytes. ``ru_maxrss`` (whole process life) is kept for reference.
+Inside a child, freed heap memory is returned to the OS (``malloc_trim``), the RSS baseline is
+read right before the timed region, and the RSS is sampled every 2 ms in a background thread
+during it; "peak extra RSS" = peak - baseline, reported as a fraction of the model's
+parameter bytes. ``ru_maxrss`` (whole process life) is kept for reference.
 
 Targets: raw/ours >= 0.85 (ours within ~15% of the disk's sequential speed) and ours' peak
 extra RSS <= 0.25 x model bytes. ``--profile FILE`` (child only) wraps the timed call of a
@@ -61,6 +62,7 @@ def _timed(fn, profile_path):
 
         prof = cProfile.Profile()
     gc.collect()
+    C.trim_heap()
     with C.RssSampler(0.002) as sampler:
         t0 = time.perf_counter()
         if prof is not None:
@@ -199,6 +201,7 @@ def run_all(reps: int, variants, result_path: Path) -> dict:
     out["met"] = met
     out["child_build_seconds_median"] = C.median([r["build_seconds"] for rs in runs.values() for r in rs])
     out["machine"] = C.machine_info()
+    out["package_commit"] = C.git_commit()
     out["date"] = C.now_iso()
     C.write_json(result_path, out)
     return out

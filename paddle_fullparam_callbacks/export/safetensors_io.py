@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import _dtypes
 from ..plan.export_plan import ExportPlan, ShardFile, TensorSlot
+from .commit import fsync_dir
 
 _MAX_HEADER = 100 * 2**20  # same bound as the safetensors library
 
@@ -43,14 +44,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         n = os.pwrite(fd, data, offset)
         data = data[n:]
         offset += n
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sha256_file(path: Path, chunk: int = 16 * 2**20) -> str:
@@ -265,7 +258,7 @@ class SnapshotWriter:
                 self._drain_stash(state)
                 self._results[i] = state.finish()
         self._hasher.close()
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         return {r.name: r for r in self._results.values()}
 
     def abort(self) -> None:
