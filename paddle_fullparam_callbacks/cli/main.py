@@ -1,4 +1,4 @@
-"""``paddle-fullparam``: demo | verify | recipes."""
+"""``paddle-fullparam``: demo | verify | plan | recipes."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +36,35 @@ def _cmd_recipes(ns) -> int:
     return 0
 
 
+def _cmd_plan(ns) -> int:
+    from ..plan.topology import plan_topology, plan_writes
+
+    axes = [("data", ns.dp), ("pipe", ns.pp), ("sharding", ns.sharding), ("sep", ns.sep), ("model", ns.mp)]
+    try:
+        topo = plan_topology(axes, ns.sharding_stage)
+    except ValueError as e:
+        print(f"paddle-fullparam plan: {e}", file=sys.stderr)
+        return 2
+    sizes = [1] * ns.files
+    writes = plan_writes(topo, sizes)
+    out = topo.as_dict()
+    out["files"] = ns.files
+    out["file_mesh"] = list(writes.file_mesh)
+    out["writers"] = {str(r): fs for r, fs in sorted(writes.writers().items())}
+    if ns.json:
+        print(json.dumps(out))
+        return 0
+    print(f"world size {topo.world_size}: " + " x ".join(f"{n}={d}" for n, d in topo.axes) + f", sharding stage {topo.sharding_stage}")
+    print(f"mesh rows (horizontal) over {', '.join(topo.horizontal_axes) or '-'}; columns (vertical) over pipe; "
+          f"replicas over {', '.join(topo.replica_axes) or '-'}: {topo.num_splits} mesh(es) split the export")
+    for m in topo.meshes:
+        files = writes.files_of_mesh(m.index)
+        print(f"  mesh {m.index}: rows {[list(r) for r in m.rows]}  files {files}")
+    for r, fs in sorted(writes.writers().items()):
+        print(f"  rank {r} writes files {fs}")
+    return 0
+
+
 def _cmd_demo(ns) -> int:
     from .demo import run_demo
 
@@ -58,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true", help="print one JSON object")
     v.add_argument("--no-hash", action="store_true", help="skip sha256 (sizes and headers only)")
     v.set_defaults(func=_cmd_verify)
+
+    pl = sub.add_parser("plan", help="print the meshes and writers of a hybrid topology (nothing is launched)")
+    for flag, helptext in (("--dp", "data parallel degree"), ("--sharding", "sharding degree"), ("--pp", "pipeline degree"),
+                           ("--mp", "tensor (model) parallel degree"), ("--sep", "sequence/context parallel degree")):
+        pl.add_argument(flag, type=int, default=1, help=helptext)
+    pl.add_argument("--sharding-stage", type=int, default=1, help="1/2: sharding replicas split the work; 3: sharding joins the mesh")
+    pl.add_argument("--files", type=int, default=8, help="number of shard files to assign to writers (default 8)")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_cmd_plan)
 
     r = sub.add_parser("recipes", help="list the bundled recipes")
     r.set_defaults(func=_cmd_recipes)
