@@ -20,7 +20,8 @@ class Exporter:
     writes_files = True
     uses_mapping = True
 
-    def begin(self, plan: ExportPlan, staging_dir: Optional[Path], step: int) -> None:
+    def begin(self, plan: ExportPlan, staging_dir: Optional[Path], step: int, file_indices=None) -> None:
+        """``file_indices``: the files this rank writes (None: all)."""
         raise NotImplementedError
 
     def write(self, name: str, tensor) -> None:
@@ -36,15 +37,14 @@ class Exporter:
 class SafetensorsExporter(Exporter):
     """Sharded safetensors files following the plan, through the streaming writer."""
 
-    def __init__(self, max_pending_bytes: int, file_indices=None, background: bool = True):
+    def __init__(self, max_pending_bytes: int, background: bool = True):
         self.max_pending_bytes = max_pending_bytes
-        self.file_indices = file_indices
         self.background = background
         self.writer: Optional[SnapshotWriter] = None
 
-    def begin(self, plan, staging_dir, step):
+    def begin(self, plan, staging_dir, step, file_indices=None):
         self.writer = SnapshotWriter(
-            plan, staging_dir, self.file_indices, max_pending_bytes=self.max_pending_bytes, background=self.background
+            plan, staging_dir, file_indices, max_pending_bytes=self.max_pending_bytes, background=self.background
         )
 
     def write(self, name, tensor):
@@ -81,7 +81,7 @@ class CallableExporter(Exporter):
         self.fn = fn
         self.step = None
 
-    def begin(self, plan, staging_dir, step):
+    def begin(self, plan, staging_dir, step, file_indices=None):
         self.step = step
 
     def write(self, name, tensor):
@@ -105,7 +105,7 @@ def load_callable(spec: str) -> Callable:
     return obj
 
 
-def make_exporter(export_cfg, fn: Optional[Callable] = None) -> Exporter:
+def make_exporter(export_cfg, fn: Optional[Callable] = None, ctx=None) -> Exporter:
     fmt = export_cfg.format
     if fmt == "hf_safetensors":
         return HFSafetensorsExporter(export_cfg.max_pending)

@@ -1,0 +1,68 @@
+"""The communication an export needs beyond the assembler: a small context object.
+
+``DistContext`` carries this rank's place in the topology plan and the groups created at
+``on_train_begin``; ``LocalContext`` is the single-process stand-in with the same interface,
+so one export flow serves both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from ..plan.topology import Mesh, TopologyPlan, plan_topology
+
+
+@dataclass
+class LocalContext:
+    """A world of one rank: every collective is the identity."""
+
+    rank: int = 0
+    world_size: int = 1
+    coordinator: int = 0
+    topology: TopologyPlan = field(default_factory=lambda: plan_topology([("data", 1)]))
+    h_group: Any = None
+    v_group: Any = None
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.topology.mesh_of(self.rank)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self.coordinator
+
+    def all_gather_object(self, obj, group=None) -> List[Any]:
+        return [obj]
+
+    def mesh_gather_object(self, obj) -> List[Any]:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+
+@dataclass
+class DistContext(LocalContext):
+    """A rank of a multi-rank job. ``h_group``/``v_group``: this rank's row and column groups
+    (None where the mesh has a single column/row); collectives on the world use the default group."""
+
+    world_group: Any = None
+
+    def all_gather_object(self, obj, group=None) -> List[Any]:
+        import paddle.distributed as dist
+
+        out: List[Any] = []
+        dist.all_gather_object(out, obj, group=group if group is not None else self.world_group)
+        return out
+
+    def mesh_gather_object(self, obj) -> List[Any]:
+        """Every mesh rank's object, rows (pipe) outer, columns inner: the same list on each rank."""
+        row = [obj] if self.h_group is None else self.all_gather_object(obj, self.h_group)
+        if self.v_group is None:
+            return row
+        return [x for r in self.all_gather_object(row, self.v_group) for x in r]
+
+    def barrier(self) -> None:
+        import paddle.distributed as dist
+
+        dist.barrier(group=self.world_group)
