@@ -23,18 +23,10 @@ from typing import Any, Callable, Iterable, List, Optional
 from ..config.recipes import coerce_config
 from ..config.schema import FullParamConfig
 from ..export.runner import ExportError, ExportSession, SnapshotInfo
-from .model_info import build_model_source, unwrap_model
+from .model_info import build_model_source
+from .topology import build_context
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
-
-
-def _world():
-    try:
-        import paddle.distributed as dist
-
-        return dist.get_rank(), dist.get_world_size()
-    except Exception:  # Paddle not initialised for distributed work
-        return 0, 1
 
 
 class FullParamExportCallback:
@@ -87,32 +79,19 @@ class FullParamExportCallback:
         return Path(base) / "fullparam"
 
     def _setup(self, args, model, tokenizer) -> None:
-        """Validate everything (output dir, mapping, plan) before the first training step."""
+        """Validate everything (output dir, mapping, plan) and create the groups, before the first step.
+
+        Collective: every rank of the job calls it, at on_train_begin.
+        """
         if self.session is not None:
             return
-        self._rank, self._world_size = _world()
-        session = ExportSession(self.config, self._output_dir(args), fn=self.fn)
-        self._check_topology(model)
-        if self._is_writer_rank() and self.config.export.format != "callable":
-            session.start()
+        ctx = build_context(args)
+        self._rank, self._world_size = ctx.rank, ctx.world_size
+        session = ExportSession(self.config, self._output_dir(args), fn=self.fn, ctx=ctx)
+        session.start()
         self._source = build_model_source(model, self.config, tokenizer)
         session.prepare(self._source)
         self.session = session
-
-    def _check_topology(self, model) -> None:
-        if self._world_size == 1:
-            return
-        for key, sw in unwrap_model(model).sharded_state_dict().items():
-            if tuple(sw.local_shape) != tuple(sw.global_shape):
-                raise NotImplementedError(
-                    f"parameter {key!r} is sharded across ranks ({list(sw.local_shape)} of {list(sw.global_shape)}): "
-                    "multi-rank assembly (tensor/pipeline parallel) is not available in this version; "
-                    "export from a pure data-parallel job or a single process"
-                )
-
-    def _is_writer_rank(self) -> bool:
-        # pure data parallelism: every rank holds the whole model; rank 0 writes, no collective needed
-        return self._rank == 0
 
     # ---- events ----------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, tokenizer=None, **kwargs):
@@ -152,8 +131,6 @@ class FullParamExportCallback:
             self._setup(args, model, kwargs.get("tokenizer") or kwargs.get("processing_class"))
         self._last_step = step
         self.events.append(f"{reason}@{step}")
-        if not self._is_writer_rank():
-            return None
         tokenizer = kwargs.get("tokenizer") or kwargs.get("processing_class")
         if tokenizer is not None:
             self._source.tokenizer = tokenizer
