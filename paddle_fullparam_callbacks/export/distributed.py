@@ -47,6 +47,9 @@ class DistContext(LocalContext):
     (None where the mesh has a single column/row); collectives on the world use the default group."""
 
     world_group: Any = None
+    # Paddle's own mp / pp groups (even of one rank), for assembler=paddle, whose HV path needs both
+    paddle_h_group: Any = None
+    paddle_v_group: Any = None
 
     def all_gather_object(self, obj, group=None) -> List[Any]:
         import paddle.distributed as dist

@@ -176,13 +176,20 @@ class ExportSession:
         if cfg.assembler == "paddle":
             from ..assemble.paddle_ref import run_paddle_full_param
 
-            kwargs = {}
-            if ctx.mesh.size > 1:
-                kwargs = {"h_group": ctx.h_group, "v_group": ctx.v_group}
-            for name, t in run_paddle_full_param(sd, source.aoa_config if mapped else None, cfg.export.dtype, **kwargs):
-                if name in keep:
-                    yield name, t
-            return
+            if ctx.world_size == 1 or ctx.mesh.size > 1:
+                # Paddle's HV path needs both groups (a one-rank group for a 1-D mesh); each mesh
+                # assembles everything (Paddle splits by sorted names, not by our files) and keeps its own
+                kwargs = {}
+                if ctx.mesh.size > 1:
+                    kwargs = {"h_group": getattr(ctx, "paddle_h_group", None) or ctx.h_group,
+                              "v_group": getattr(ctx, "paddle_v_group", None) or ctx.v_group}
+                for name, t in run_paddle_full_param(sd, source.aoa_config if mapped else None, cfg.export.dtype, **kwargs):
+                    if name in keep:
+                        yield name, t
+                return
+            # a mesh of one inside a multi-rank job: Paddle's full_param would take its
+            # single-group path (it decides by the world size) and call .cuda(); assemble locally
+            logger.warning("assembler=paddle: a mesh of one rank uses the builtin local assembler (no communication)")
         if ctx.mesh.size == 1:
             yield from LocalAssembler(sd, p.dmap, cfg.export.dtype).run([n for n in targets if n in keep])
             return

@@ -85,7 +85,11 @@ def build_context(args=None, sharding_stage: Optional[int] = None) -> "LocalCont
                     g = dist.new_group(list(row))
                     if rank in row:
                         h_group = g
-    return DistContext(rank=rank, world_size=world, topology=plan, h_group=h_group, v_group=v_group)
+    ctx = DistContext(rank=rank, world_size=world, topology=plan, h_group=h_group, v_group=v_group)
+    if hcg is not None:
+        ctx.paddle_h_group = h_group if h_group is not None else hcg.get_model_parallel_group()
+        ctx.paddle_v_group = v_group if v_group is not None else hcg.get_pipe_parallel_group()
+    return ctx
 
 
 def _check_same(what: str, paddle_ranks, plan_ranks) -> None:

@@ -1,0 +1,87 @@
+"""Launched on every rank: real fleet topology, real parallel layers, the real callback.
+
+    python -m paddle.distributed.launch --nproc_per_node 4 export_job.py --mp 2 --pp 2 --out DIR [--paddle]
+
+Fires the trainer's own callback events (PaddleFormers ``CallbackHandler``) at steps 1..4 with
+``every_n_steps=2`` and an ``on_save`` at step 3; before each event the weights change as an
+optimizer step would (``harness.perturb``) and every rank dumps its shards to
+``DIR/dump/step-N`` so that the test can rebuild the full tensors with plain numpy. With
+``--paddle`` a second callback exports the same steps with ``assembler: paddle`` into
+``DIR/paddle``. Prints ``EXPORT {json}`` per rank (decisions, files written, collectives).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import types
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+
+# Paddle [in, out] Linear weights become HF [out, in]; norms and embeddings are renamed as-is
+AOA = [
+    "model.layers.$LAYER_ID.self_attn.q_proj.weight^T -> model.layers.$LAYER_ID.self_attn.q_proj.weight",
+    "model.layers.$LAYER_ID.self_attn.k_proj.weight^T -> model.layers.$LAYER_ID.self_attn.k_proj.weight",
+    "model.layers.$LAYER_ID.self_attn.v_proj.weight^T -> model.layers.$LAYER_ID.self_attn.v_proj.weight",
+    "model.layers.$LAYER_ID.self_attn.o_proj.weight^T -> model.layers.$LAYER_ID.self_attn.o_proj.weight",
+    "model.layers.$LAYER_ID.mlp.gate_proj.weight^T -> model.layers.$LAYER_ID.mlp.gate_proj.weight",
+    "model.layers.$LAYER_ID.mlp.up_proj.weight^T -> model.layers.$LAYER_ID.mlp.up_proj.weight",
+    "model.layers.$LAYER_ID.mlp.down_proj.weight^T -> model.layers.$LAYER_ID.mlp.down_proj.weight",
+    "lm_head.weight^T -> lm_head.weight",
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for a in ("dp", "mp", "pp", "sharding"):
+        ap.add_argument(f"--{a}", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--paddle", action="store_true", help="also export with assembler=paddle")
+    ap.add_argument("--dtype", default="keep")
+    ns = ap.parse_args()
+
+    import paddle.distributed as dist
+    from paddleformers.trainer.trainer_callback import CallbackHandler, TrainerControl, TrainerState
+
+    from paddle_fullparam_callbacks import FullParamExportCallback
+
+    hcg = harness.init_fleet(dp=ns.dp, mp=ns.mp, pp=ns.pp, sharding=ns.sharding)
+    rank = dist.get_rank()
+    model = harness.TinyParallelLlama(hcg=hcg)
+    model.sharded_state_dict = lambda: harness.sharded_state_dict(model)  # see harness docstring
+    common = ["trigger.every_n_steps=2", "trigger.on_save=true", "trigger.on_train_end=true",
+              "export.max_shard_size=3KB", f"export.dtype={ns.dtype}", "export.aoa=" + json.dumps(AOA),
+              "retention.keep_last=0", "on_error=raise"]
+    callbacks = [FullParamExportCallback(None, overrides=[f"output_dir={ns.out}/builtin", *common])]
+    if ns.paddle:
+        callbacks.append(FullParamExportCallback(None, overrides=[f"output_dir={ns.out}/paddle", "assembler=paddle", *common]))
+    handler = CallbackHandler(callbacks, model, None, None, None)
+    args = types.SimpleNamespace(output_dir=ns.out)
+    state, control = TrainerState(), TrainerControl()
+    handler.on_train_begin(args, state, control)
+    for step in range(1, 5):
+        harness.perturb(model, step)
+        harness.dump_shards(harness.sharded_state_dict(model), f"{ns.out}/dump/step-{step}")
+        state.global_step = step
+        handler.on_step_end(args, state, control)
+        if step == 3:
+            handler.on_save(args, state, control)
+    handler.on_train_end(args, state, control)
+    dist.barrier()
+    cb = callbacks[0]
+    print("EXPORT " + json.dumps({
+        "rank": rank,
+        "events": [c.events for c in callbacks],
+        "errors": [c.errors for c in callbacks],
+        "steps": [s.step for s in cb.snapshots],
+        "files_written_here": [s.files_written_here for s in cb.snapshots],
+        "mesh": [list(r) for r in cb.session.ctx.mesh.rows],
+        "num_splits": cb.session.ctx.topology.num_splits,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
