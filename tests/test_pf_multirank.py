@@ -82,3 +82,26 @@ def test_multirank_export(tmp_path, topology):
             assert shards == {f: m["sha256"] for f, m in other["files"].items() if f.endswith(".safetensors")}
     assert (tmp_path / "builtin" / "latest").read_text().strip() == "hf-step-000004"
     assert not list((tmp_path / "builtin").glob(".tmp-*"))
+
+
+def test_inconsistent_inputs_fail_on_every_rank_with_one_message(tmp_path):
+    res = harness.run_launch(ROOT / "tests" / "multirank" / "bad_input_job.py", ["--out", tmp_path / "out"], nproc=4,
+                             log_dir=tmp_path / "log", timeout=300)
+    assert res.rc == 0 and not res.timed_out, res.describe()
+    reports = [r for _, r in res.tagged("BAD")]
+    assert len(reports) == 4
+    expected = {
+        "global_shape_differs": "has global shape [16] on rank 0 but [32] on rank 1",
+        "uncovered_elements": "hold 128 of its 256 elements",
+        "overlapping_slices": "the slices overlap without being replicas",
+        "replicas_differ": "with different values (replicas out of sync)",
+        "plans_differ": "ranks computed different export plans",
+    }
+    for case, text in expected.items():
+        messages = {r["cases"][case] for r in reports}
+        assert len(messages) == 1, (case, messages)  # the same message on every rank
+        assert text in messages.pop(), case
+    # nothing of the failed exports is visible; the good one after them committed
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["hf-step-000008", "latest"]
+    assert all(r["good"] == "hf-step-000008" for r in reports)
+    assert verify_snapshot(tmp_path / "out" / "hf-step-000008").ok

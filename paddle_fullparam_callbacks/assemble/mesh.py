@@ -83,8 +83,10 @@ def records_from_state_dict(rank: int, sharded_state_dict) -> List[ShardRecord]:
 
 
 def validate_records(records: Sequence[ShardRecord]) -> None:
-    """Same global shape and dtype for a key on every rank; every slice inside its tensor."""
+    """Same global shape and dtype for a key on every rank; every slice inside its tensor; the
+    distinct slices of a key tile it exactly (no element missing, no partial overlap)."""
     first: Dict[str, ShardRecord] = {}
+    distinct: Dict[str, Dict[tuple, ShardRecord]] = defaultdict(dict)
     for r in records:
         f = first.setdefault(r.key, r)
         if r.global_shape != f.global_shape:
@@ -98,6 +100,23 @@ def validate_records(records: Sequence[ShardRecord]) -> None:
             raise MappingError(
                 f"parameter {r.key!r} on rank {r.rank}: slice at {list(r.offset)} of shape {list(r.shape)} "
                 f"lies outside its global shape {list(r.global_shape)}"
+            )
+        distinct[r.key].setdefault((r.offset, r.shape), r)
+    for key, slices in distinct.items():
+        total = math.prod(first[key].global_shape)
+        boxes = list(slices.values())
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                if _intersects(a.offset, a.shape, b.offset, b.shape):
+                    raise MappingError(
+                        f"parameter {key!r}: rank {a.rank} holds {list(a.shape)} at {list(a.offset)} and rank {b.rank} "
+                        f"holds {list(b.shape)} at {list(b.offset)}; the slices overlap without being replicas"
+                    )
+        held = sum(math.prod(b.shape) for b in boxes)
+        if held != total:
+            raise MappingError(
+                f"parameter {key!r}: the ranks of the mesh hold {held} of its {total} elements "
+                f"(slices at {sorted(list(b.offset) for b in boxes)}); a shard is missing"
             )
 
 
@@ -223,10 +242,28 @@ class MeshAssembler:
         self._store: Dict[int, np.ndarray] = {}
         self._pending_uses: Dict[int, int] = {i: len(u) for i, u in self._users.items()}
 
+    def replica_digests(self) -> Dict[int, str]:
+        """sha256 of this rank's copy of every slice that several mesh ranks hold (replicas).
+
+        The caller compares them across the mesh before any collective: replicas that have
+        drifted apart would otherwise be exported from the lowest rank without a word.
+        """
+        import hashlib
+
+        out = {}
+        for it in self.items:
+            if len(it.holders) > 1 and self.rank in it.holders:
+                b = self._local_bytes(it)
+                data = np.from_dlpack(b if b.place.is_cpu_place() else b.cpu()) if b is not None else b""
+                out[it.id] = hashlib.sha256(memoryview(data)).hexdigest()[:32]
+        return out
+
     # ---- communication -------------------------------------------------------------------
     def _local_bytes(self, item: ReadItem):
         """This rank's copy of ``item`` as a flat uint8 Paddle tensor (a view, no copy)."""
         t = self.sd[item.key].local_tensor
+        if not t.stop_gradient:
+            t = t.detach()  # shares the memory; DLPack refuses tensors that require grad
         if not t.is_contiguous():
             t = t.contiguous()
         return t.reshape([-1]).view("uint8") if t.numel() else None

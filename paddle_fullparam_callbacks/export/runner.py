@@ -195,6 +195,19 @@ class ExportSession:
             return
         asm = MeshAssembler(sd, p.records, p.dmap, targets, keep, ctx.mesh, ctx.rank, ctx.h_group, ctx.v_group,
                             cfg.export.dtype, cfg.export.max_pending // 4)
+        # replicas inside the mesh must agree before the lowest rank's copy stands for all
+        held = ctx.mesh_gather_object(asm.replica_digests())
+        merged: Dict[int, Dict[str, int]] = {}
+        for r, digests in zip(ctx.mesh.ranks_in_gather_order(), held):
+            for item_id, d in digests.items():
+                merged.setdefault(item_id, {}).setdefault(d, r)
+        for item_id, by_digest in sorted(merged.items()):
+            if len(by_digest) > 1:
+                it = asm.items[item_id]
+                raise MappingError(
+                    f"parameter {it.key!r}: ranks {sorted(by_digest.values())} hold the same slice at "
+                    f"{list(it.offset)} with different values (replicas out of sync)"
+                )
         yield from asm.run()
         if asm.errors:
             raise MappingError(asm.errors[0])

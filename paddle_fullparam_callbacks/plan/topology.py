@@ -50,6 +50,10 @@ class Mesh:
     def size(self) -> int:
         return len(self.ranks)
 
+    def ranks_in_gather_order(self) -> Tuple[int, ...]:
+        """Ranks in the order a row-then-column gather lists them: rows (pipe) outer, columns inner."""
+        return self.ranks
+
     def h_ranks(self, rank: int) -> Tuple[int, ...]:
         """The horizontal group of ``rank`` (its row)."""
         for row in self.rows:
