@@ -105,3 +105,24 @@ def test_inconsistent_inputs_fail_on_every_rank_with_one_message(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["hf-step-000008", "latest"]
     assert all(r["good"] == "hf-step-000008" for r in reports)
     assert verify_snapshot(tmp_path / "out" / "hf-step-000008").ok
+
+
+def test_pure_data_parallel_trainer_two_ranks(tmp_path):
+    res = harness.run_launch(ROOT / "tests" / "multirank" / "trainer_dp_job.py", ["--out", tmp_path], nproc=2,
+                             log_dir=tmp_path / "log", timeout=300)
+    assert res.rc == 0 and not res.timed_out, res.describe()
+    reports = [r for _, r in res.tagged("TRAIN")]
+    assert len(reports) == 2 and reports[0]["events"] == reports[1]["events"]
+    assert reports[0]["events"] == ["every_n_steps@3", "save@4", "every_n_steps@6", "save@8"]
+    assert all(r["errors"] == [] and r["num_splits"] == 2 for r in reports)
+    assert all(r["files_written_here"][-1] > 0 for r in reports)  # both replicas wrote part of it
+    snaps = tmp_path / "snaps"
+    assert sorted(p.name for p in snaps.iterdir()) == ["hf-step-000006", "hf-step-000008", "latest"]
+    for name in ("hf-step-000006", "hf-step-000008"):
+        assert verify_snapshot(snaps / name).ok
+    final = dict(np.load(tmp_path / "final.npz"))
+    got = snapshot_tensors(snaps / "hf-step-000008")
+    final.pop("lm_head.weight")  # tied to the embedding: not in the HF file
+    assert set(got) == set(final)
+    for k, v in final.items():
+        assert got[k].tobytes() == v.tobytes(), k

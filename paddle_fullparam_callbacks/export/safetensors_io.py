@@ -110,6 +110,56 @@ class _Hasher:
                 self._queue.task_done()
 
 
+class _Flusher:
+    """Starts writeback early: ``fdatasync`` of a file every ``every`` bytes, on its own thread.
+
+    Without it the kernel may hold all of a snapshot's dirty pages until the final fsync (here
+    it starts writing back only at 2.4 GB), which then pays the whole disk time after the CPU
+    work instead of beside it.
+    """
+
+    def __init__(self, every: int = 64 * 2**20):
+        self.every = every
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="pfc-flush", daemon=True)
+        self._thread.start()
+
+    def request(self, fd: int) -> None:
+        self._queue.put(fd)
+
+    def wait(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            fd = self._queue.get()
+            try:
+                if fd is None:
+                    return
+                os.fdatasync(fd)
+            except OSError:
+                pass  # the final fsync reports real errors
+            finally:
+                self._queue.task_done()
+
+
+class _NoFlusher:
+    every = 1 << 62
+
+    def request(self, fd: int) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class _InlineHasher:
     """The same interface, hashing on the caller's thread (for background=False)."""
 
@@ -126,9 +176,11 @@ class _InlineHasher:
 class _FileState:
     """One file being written: the sequential cursor, the hash, and the slots still missing."""
 
-    def __init__(self, directory: Path, spec: ShardFile, hasher):
+    def __init__(self, directory: Path, spec: ShardFile, hasher, flusher):
         self.spec = spec
         self.hasher = hasher
+        self.flusher = flusher
+        self.unflushed = 0
         self.path = directory / spec.name
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.base = len(spec.header)
@@ -153,9 +205,14 @@ class _FileState:
             if hash_it:
                 self.hasher.update(self.hash, buf)
             offset += len(buf)
+            self.unflushed += len(buf)
+            if self.unflushed >= self.flusher.every:
+                self.flusher.request(self.fd)
+                self.unflushed = 0
         self.written.add(slot.name)
 
     def finish(self) -> FileResult:
+        self.flusher.wait()  # no early flush may still use the fd
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
@@ -164,6 +221,7 @@ class _FileState:
         return FileResult(self.spec.name, self.spec.total_bytes, digest)
 
     def close_quietly(self) -> None:
+        self.flusher.wait()
         if self.fd >= 0:
             try:
                 os.close(self.fd)
@@ -205,6 +263,7 @@ class SnapshotWriter:
         self._queue: "queue.Queue" = queue.Queue()
         self._thread = None
         self._hasher = _Hasher() if background else _InlineHasher()
+        self._flusher = _Flusher() if background else _NoFlusher()
         if background:
             self._thread = threading.Thread(target=self._run, name="pfc-writer", daemon=True)
             self._thread.start()
@@ -258,6 +317,7 @@ class SnapshotWriter:
                 self._drain_stash(state)
                 self._results[i] = state.finish()
         self._hasher.close()
+        self._flusher.close()
         fsync_dir(self.directory)
         return {r.name: r for r in self._results.values()}
 
@@ -267,6 +327,7 @@ class SnapshotWriter:
         self._hasher.close()
         for state in self._states.values():
             state.close_quietly()
+        self._flusher.close()
         for spec in self.files.values():
             try:
                 (self.directory / spec.name).unlink()
@@ -280,7 +341,7 @@ class SnapshotWriter:
     def _state(self, index: int) -> _FileState:
         st = self._states.get(index)
         if st is None:
-            st = self._states[index] = _FileState(self.directory, self.files[index], self._hasher)
+            st = self._states[index] = _FileState(self.directory, self.files[index], self._hasher, self._flusher)
         return st
 
     def _accept(self, slot: TensorSlot, array: np.ndarray) -> None:
