@@ -128,6 +128,28 @@ class RetentionConfig:
 
 
 @dataclass
+class TopologyConfig:
+    """How a multi-rank job assembles (meshes come from the job's hybrid topology)."""
+
+    sharding_stage: Optional[int] = None
+    """1/2: sharding replicas split the work; 3: sharding joins the mesh. None: from the trainer's args."""
+    bucket_bytes: str = "64MB"
+    """Per rank and collective: small slices are packed into one buffer up to this size."""
+    memory_growth_threshold: str = "1GB"
+    """Most memory one collective may add on a rank (mesh size x bucket); a larger slice travels alone."""
+
+    def __post_init__(self):
+        if self.sharding_stage is not None and self.sharding_stage not in (0, 1, 2, 3):
+            raise ConfigError("topology.sharding_stage", f"must be 1, 2 or 3 (or unset); got {self.sharding_stage!r}")
+        _check_size("topology.bucket_bytes", self.bucket_bytes)
+        _check_size("topology.memory_growth_threshold", self.memory_growth_threshold)
+
+    def bucket_for(self, mesh_size: int) -> int:
+        """The per-rank bucket of a mesh: the configured one, or less so a round stays under the threshold."""
+        return max(1, min(parse_size(self.bucket_bytes), parse_size(self.memory_growth_threshold) // max(1, mesh_size)))
+
+
+@dataclass
 class FullParamConfig:
     """Everything the callback needs; a recipe file is an instance of this."""
 
@@ -137,6 +159,7 @@ class FullParamConfig:
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
     assembler: str = "builtin"
     """builtin (this package's assembler) | paddle (Paddle's own full_param, for cross-checking)."""
     on_error: str = "warn"

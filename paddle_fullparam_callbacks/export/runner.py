@@ -194,7 +194,7 @@ class ExportSession:
             yield from LocalAssembler(sd, p.dmap, cfg.export.dtype).run([n for n in targets if n in keep])
             return
         asm = MeshAssembler(sd, p.records, p.dmap, targets, keep, ctx.mesh, ctx.rank, ctx.h_group, ctx.v_group,
-                            cfg.export.dtype, cfg.export.max_pending // 4)
+                            cfg.export.dtype, cfg.topology.bucket_for(ctx.mesh.size))
         # replicas inside the mesh must agree before the lowest rank's copy stands for all
         held = ctx.mesh_gather_object(asm.replica_digests())
         merged: Dict[int, Dict[str, int]] = {}

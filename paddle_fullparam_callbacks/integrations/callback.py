@@ -85,7 +85,7 @@ class FullParamExportCallback:
         """
         if self.session is not None:
             return
-        ctx = build_context(args)
+        ctx = build_context(args, self.config.topology.sharding_stage)
         self._rank, self._world_size = ctx.rank, ctx.world_size
         session = ExportSession(self.config, self._output_dir(args), fn=self.fn, ctx=ctx)
         session.start()

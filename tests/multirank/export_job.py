@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--paddle", action="store_true", help="also export with assembler=paddle")
     ap.add_argument("--dtype", default="keep")
+    ap.add_argument("--bucket", default="64MB", help="topology.bucket_bytes: small forces many rounds and broadcasts")
     ns = ap.parse_args()
 
     import paddle.distributed as dist
@@ -54,7 +55,7 @@ def main():
     model.sharded_state_dict = lambda: harness.sharded_state_dict(model)  # see harness docstring
     common = ["trigger.every_n_steps=2", "trigger.on_save=true", "trigger.on_train_end=true",
               "export.max_shard_size=3KB", f"export.dtype={ns.dtype}", "export.aoa=" + json.dumps(AOA),
-              "retention.keep_last=0", "on_error=raise"]
+              "retention.keep_last=0", "on_error=raise", f"topology.bucket_bytes={ns.bucket}"]
     callbacks = [FullParamExportCallback(None, overrides=[f"output_dir={ns.out}/builtin", *common])]
     if ns.paddle:
         callbacks.append(FullParamExportCallback(None, overrides=[f"output_dir={ns.out}/paddle", "assembler=paddle", *common]))
