@@ -49,6 +49,8 @@ class TriggerConfig:
     """Export after each evaluation."""
     on_train_end: bool = True
     """Export once when training ends (unless that step was just exported)."""
+    min_interval_s: float = 0.0
+    """Skip an export that would start sooner than this after the previous one (train_end never skips)."""
 
     def __post_init__(self):
         if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 0:
@@ -56,6 +58,8 @@ class TriggerConfig:
                 "trigger.every_n_steps",
                 f"must be a whole number >= 0 (0 = off); got {self.every_n_steps!r}",
             )
+        if isinstance(self.min_interval_s, bool) or not isinstance(self.min_interval_s, (int, float)) or self.min_interval_s < 0:
+            raise ConfigError("trigger.min_interval_s", f"must be a number of seconds >= 0; got {self.min_interval_s!r}")
 
 
 @dataclass
@@ -78,6 +82,8 @@ class ExportConfig:
     """Host memory the writer may hold for tensors not yet on disk."""
     callable: Optional[str] = None
     """For format=callable: 'package.module:function', called as fn(name, tensor, step=...)."""
+    async_write: bool = False
+    """Return to training once the tensors are assembled; bytes go to disk in the background."""
 
     def __post_init__(self):
         _check_choice("export.format", self.format, EXPORT_FORMATS)
@@ -119,12 +125,27 @@ class ExportConfig:
 
 @dataclass
 class RetentionConfig:
+    """Which snapshots stay. With neither keep_last nor keep_best set, all stay."""
+
     keep_last: int = 0
-    """Keep the newest N snapshots (0 keeps all). `latest` is never removed."""
+    """Keep the newest N snapshots (0: no limit by age). `latest` and `best` are never removed."""
+    keep_best: int = 0
+    """Keep the N best snapshots by ``metric`` (0: no limit by metric)."""
+    metric: Optional[str] = None
+    """The tracked evaluation metric, e.g. eval_loss; `best` points at the top snapshot."""
+    mode: str = "min"
+    """min | max: whether a smaller or a larger metric is better."""
 
     def __post_init__(self):
-        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
-            raise ConfigError("retention.keep_last", f"must be a whole number >= 0 (0 = keep all); got {self.keep_last!r}")
+        for key in ("keep_last", "keep_best"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"retention.{key}", f"must be a whole number >= 0 (0 = no limit); got {v!r}")
+        _check_choice("retention.mode", self.mode, ("min", "max"))
+        if self.keep_best and not self.metric:
+            raise ConfigError("retention.keep_best", "needs retention.metric (e.g. eval_loss) to rank snapshots by")
+        if self.metric is not None and not str(self.metric).strip():
+            raise ConfigError("retention.metric", "is empty; name an evaluation metric such as eval_loss")
 
 
 @dataclass
@@ -150,6 +171,21 @@ class TopologyConfig:
 
 
 @dataclass
+class CheckpointHookConfig:
+    """With ``attach(trainer, ...)``: each trainer checkpoint-N/ also holds the HF snapshot of step N."""
+
+    enabled: bool = False
+    subdir: str = "hf"
+    """Folder inside checkpoint-N/ that holds the snapshot."""
+
+    def __post_init__(self):
+        from ..plan.naming import _SAFE_NAME
+
+        if not _SAFE_NAME.match(str(self.subdir)):
+            raise ConfigError("checkpoint_hook.subdir", f"must be one plain directory name; got {self.subdir!r}")
+
+
+@dataclass
 class FullParamConfig:
     """Everything the callback needs; a recipe file is an instance of this."""
 
@@ -160,6 +196,7 @@ class FullParamConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
+    checkpoint_hook: CheckpointHookConfig = field(default_factory=CheckpointHookConfig)
     assembler: str = "builtin"
     """builtin (this package's assembler) | paddle (Paddle's own full_param, for cross-checking)."""
     on_error: str = "warn"
@@ -170,5 +207,7 @@ class FullParamConfig:
         _check_choice("on_error", self.on_error, ON_ERROR)
         if self.output_dir is not None and not str(self.output_dir).strip():
             raise ConfigError("output_dir", "is empty; leave it unset to use <trainer output_dir>/fullparam")
+        if self.export.async_write and self.export.format == "callable":
+            raise ConfigError("export.async_write", "applies to the file formats, not to export.format=callable")
         if self.export.format == "paddle_safetensors" and self.export.aoa not in ("auto",):
             raise ConfigError("export.aoa", "paddle_safetensors keeps Paddle names: leave export.aoa at 'auto'")

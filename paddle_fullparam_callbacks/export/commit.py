@@ -149,13 +149,48 @@ def list_snapshots(output_dir: Path, pattern: "re.Pattern[str]") -> List[Snapsho
     return out
 
 
-def apply_retention(output_dir: Path, pattern, keep_last: int, protect: Iterable[str] = ()) -> List[str]:
-    """Delete the oldest snapshots beyond ``keep_last``; never the protected ones or a pointer target."""
-    if keep_last <= 0:
+def snapshot_metric(entry: SnapshotEntry, metric: Optional[str]) -> Optional[float]:
+    """The tracked metric recorded in a snapshot's manifest (None if absent)."""
+    if not metric:
+        return None
+    try:
+        metrics = json.loads((entry.path / MANIFEST).read_text()).get("metrics") or {}
+    except (OSError, ValueError):
+        return None
+    for key in (metric, f"eval_{metric}"):
+        if isinstance(metrics.get(key), (int, float)):
+            return float(metrics[key])
+    return None
+
+
+def _candidates(output_dir: Path, pattern, metric: Optional[str]):
+    from ..plan.decisions import Candidate
+
+    return [Candidate(e.name, e.step, snapshot_metric(e, metric)) for e in list_snapshots(output_dir, pattern)]
+
+
+def update_best(output_dir: Path, pattern, metric: Optional[str], mode: str) -> Optional[str]:
+    """Point ``best`` at the best committed snapshot by ``metric``; returns its name."""
+    from ..plan.decisions import best_of
+
+    if not metric:
+        return None
+    best = best_of(_candidates(output_dir, pattern, metric), mode)
+    if best is not None and read_pointer(output_dir, "best") != best.name:
+        write_pointer(output_dir, "best", best.name)
+    return best.name if best else None
+
+
+def apply_retention(output_dir: Path, pattern, keep_last: int, protect: Iterable[str] = (),
+                    keep_best: int = 0, metric: Optional[str] = None, mode: str = "min") -> List[str]:
+    """Delete snapshots outside the newest ``keep_last`` and the best ``keep_best``; never the
+    protected ones (the snapshot being written) or a pointer target (``latest``, ``best``)."""
+    from ..plan.decisions import to_remove
+
+    if keep_last <= 0 and keep_best <= 0:
         return []
     protected = set(protect) | {n for n in (read_pointer(output_dir, p) for p in POINTERS) if n}
-    snaps = list_snapshots(output_dir, pattern)
-    doomed = [s for s in snaps[: max(0, len(snaps) - keep_last)] if s.name not in protected]
-    for s in doomed:
-        remove_tree(s.path)
-    return [s.name for s in doomed]
+    doomed = to_remove(_candidates(output_dir, pattern, metric), keep_last, keep_best, mode, protected)
+    for name in doomed:
+        remove_tree(output_dir / name)
+    return doomed

@@ -9,6 +9,8 @@ import importlib
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
+import numpy as np
+
 from ..plan.export_plan import ExportPlan
 from .host import to_host_array
 from .safetensors_io import FileResult, SnapshotWriter
@@ -37,9 +39,10 @@ class Exporter:
 class SafetensorsExporter(Exporter):
     """Sharded safetensors files following the plan, through the streaming writer."""
 
-    def __init__(self, max_pending_bytes: int, background: bool = True):
+    def __init__(self, max_pending_bytes: int, background: bool = True, copy: bool = False):
         self.max_pending_bytes = max_pending_bytes
         self.background = background
+        self.copy = copy  # async: training resumes before the bytes are on disk, so hand over a copy
         self.writer: Optional[SnapshotWriter] = None
 
     def begin(self, plan, staging_dir, step, file_indices=None):
@@ -48,7 +51,10 @@ class SafetensorsExporter(Exporter):
         )
 
     def write(self, name, tensor):
-        self.writer.put(name, to_host_array(tensor))
+        arr = to_host_array(tensor)
+        if self.copy:
+            arr = np.array(arr, copy=True, order="C")
+        self.writer.put(name, arr)
 
     def finish(self):
         return self.writer.close()
@@ -108,9 +114,9 @@ def load_callable(spec: str) -> Callable:
 def make_exporter(export_cfg, fn: Optional[Callable] = None, ctx=None) -> Exporter:
     fmt = export_cfg.format
     if fmt == "hf_safetensors":
-        return HFSafetensorsExporter(export_cfg.max_pending)
+        return HFSafetensorsExporter(export_cfg.max_pending, copy=export_cfg.async_write)
     if fmt == "paddle_safetensors":
-        return PaddleSafetensorsExporter(export_cfg.max_pending)
+        return PaddleSafetensorsExporter(export_cfg.max_pending, copy=export_cfg.async_write)
     if fmt == "callable":
         return CallableExporter(fn or load_callable(export_cfg.callable))
     raise ValueError(f"unknown export.format {fmt!r}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,8 @@ class SnapshotInfo:
     reason: str = ""
     peak_pending_bytes: int = 0
     files_written_here: int = 0
+    pending: bool = False  # async_write: assembled, not yet committed
+    stall_s: float = 0.0  # how long training waited for this export
 
 
 @dataclass
@@ -85,6 +88,50 @@ class _Prepared:
     plan: ExportPlan
     order: List[str]  # destination names in file order
     writes: WritePlan
+
+
+@dataclass
+class _Job:
+    """One export in flight, between assembly and commit."""
+
+    name: str
+    step: int
+    reason: str
+    metrics: Optional[dict]
+    p: "_Prepared"
+    staging: Optional[Path]
+    exporter: Exporter
+    source: ModelSource
+    expected: int
+    t0: float
+    t_plan: float
+    t_stream: float = 0.0
+    t_written: float = 0.0
+    seen: int = 0
+    error: Optional[str] = None
+    files: dict = field(default_factory=dict)
+    thread: Optional[threading.Thread] = None
+    info: Optional[SnapshotInfo] = None
+    exception: Optional[BaseException] = None
+
+
+class _NoProgress:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(show: bool, total: int, name: str):
+    """A tqdm bar on the coordinator, shown only when the export takes more than 2 seconds."""
+    if not show:
+        return _NoProgress()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoProgress()
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"export {name}", delay=2.0, leave=False)
 
 
 def _digest(obj) -> str:
@@ -100,6 +147,7 @@ class ExportSession:
         self.fn = fn
         self.ctx = ctx or LocalContext()
         self._prepared: Optional[_Prepared] = None
+        self._pending: Optional[_Job] = None
         self.pattern = snapshot_step_pattern(config.export.name_template)
 
     def start(self) -> List[str]:
@@ -213,7 +261,11 @@ class ExportSession:
             raise MappingError(asm.errors[0])
 
     def export(self, source: ModelSource, step: int, metrics: Optional[dict] = None, reason: str = "") -> SnapshotInfo:
+        """Export ``step``. Collective: every rank calls it. With ``export.async_write`` it returns
+        once the tensors are assembled (``info.pending``); the next export or :meth:`wait_pending`
+        finishes the commit."""
         t0 = time.perf_counter()
+        self.wait_pending()
         ctx, cfg = self.ctx, self.config
         name = format_snapshot_name(cfg.export.name_template, step)
         exporter: Exporter = make_exporter(cfg.export, self.fn, ctx)
@@ -237,65 +289,118 @@ class ExportSession:
         first = ctx.all_gather_object((str(staging) if staging else None, error))[ctx.coordinator]
         if first[1]:
             raise ExportError(f"export of step {step} to {self.output_dir / name} failed: {first[1]}")
-        staging_path = Path(first[0]) if first[0] else None
-        t_plan = time.perf_counter()
+        job = _Job(name, step, reason, metrics, p, Path(first[0]) if first[0] else None, exporter, source,
+                   len(keep), t0, time.perf_counter())
 
         # assemble and write; an error stops this rank's writing, never its part in the collectives
-        error, files, seen = None, {}, 0
+        progress = _progress(ctx.is_coordinator, sum(p.plan.slots[n].nbytes for n in keep), name)
         try:
-            exporter.begin(p.plan, staging_path, step, my_files)
+            exporter.begin(p.plan, job.staging, step, my_files)
             for tname, tensor in self._stream(sd, p, source, targets, keep):
-                if error is None:
+                if job.error is None:
                     try:
                         exporter.write(tname, tensor)
-                        seen += 1
+                        job.seen += 1
+                        progress.update(p.plan.slots[tname].nbytes)
                     except Exception as e:
-                        error = f"{type(e).__name__}: {e}"
-            t_stream = time.perf_counter()
-            if error is None:
-                files = exporter.finish()
-                if seen != len(keep):
-                    error = f"rank {ctx.rank} received {seen} of its {len(keep)} tensors"
+                        job.error = f"{type(e).__name__}: {e}"
         except Exception as e:
-            error = error or f"{type(e).__name__}: {e}"
-            t_stream = time.perf_counter()
-        if error is not None:
-            exporter.abort()
-        t_written = time.perf_counter()
-        statuses = ctx.all_gather_object((error, {k: (v.bytes, v.sha256) for k, v in files.items()}))
+            job.error = job.error or f"{type(e).__name__}: {e}"
+        finally:
+            progress.close()
+        job.t_stream = time.perf_counter()
+        if cfg.export.async_write and exporter.writes_files and job.error is None:
+            # training resumes now; the writer drains in the background (and, single-process,
+            # commits there too; with several ranks the commit needs collectives, so the next
+            # export / wait_pending() does it on the training thread)
+            job.thread = threading.Thread(target=self._background, args=(job,), name="pfc-commit", daemon=True)
+            job.thread.start()
+            self._pending = job
+            stall = time.perf_counter() - t0
+            return SnapshotInfo(name, step, self.output_dir / name, 0, 0, p.plan.num_tensors, stall,
+                                {"stall_s": stall}, reason, pending=True, stall_s=stall)
+        self._finish_local(job)
+        return self._finish_global(job)
+
+    def wait_pending(self) -> Optional[SnapshotInfo]:
+        """Finish a background (async_write) export: wait for its bytes, commit, report errors.
+
+        Collective with several ranks. Returns its SnapshotInfo, or None if nothing was pending.
+        """
+        job, self._pending = self._pending, None
+        if job is None:
+            return None
+        job.thread.join()
+        if self.ctx.world_size > 1:
+            return self._finish_global(job)
+        if job.exception is not None:
+            raise job.exception
+        return job.info
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def _background(self, job: "_Job") -> None:
+        self._finish_local(job)
+        if self.ctx.world_size == 1:
+            try:
+                job.info = self._finish_global(job)
+            except BaseException as e:  # handed to wait_pending
+                job.exception = e
+
+    def _finish_local(self, job: "_Job") -> None:
+        """This rank's files: wait for the writer, fsync, sizes and sha256 (or abort on error)."""
+        if job.error is None:
+            try:
+                job.files = job.exporter.finish()
+                if job.seen != job.expected:
+                    job.error = f"rank {self.ctx.rank} received {job.seen} of its {job.expected} tensors"
+            except Exception as e:
+                job.error = f"{type(e).__name__}: {e}"
+        if job.error is not None:
+            job.exporter.abort()
+        job.t_written = time.perf_counter()
+
+    def _finish_global(self, job: "_Job") -> SnapshotInfo:
+        """Status exchange, then the coordinator commits and everyone learns the outcome."""
+        ctx, name, step = self.ctx, job.name, job.step
+        statuses = ctx.all_gather_object((job.error, {k: (v.bytes, v.sha256) for k, v in job.files.items()}))
         errors = [(r, e) for r, (e, _) in enumerate(statuses) if e]
         if errors:
-            if ctx.is_coordinator and staging_path is not None:
-                shutil.rmtree(staging_path, ignore_errors=True)
+            if ctx.is_coordinator and job.staging is not None:
+                shutil.rmtree(job.staging, ignore_errors=True)
             r, e = errors[0]
             where = f" (rank {r})" if ctx.world_size > 1 else ""
             raise ExportError(f"export of step {step} to {self.output_dir / name} failed{where}: {e}")
         all_files = {k: v for _, fs in statuses for k, v in fs.items()}
-        timings = {"plan_s": t_plan - t0, "assemble_write_s": t_stream - t_plan, "flush_s": t_written - t_stream}
-        if not exporter.writes_files:
-            return SnapshotInfo(name, step, None, 0, 0, p.plan.num_tensors, time.perf_counter() - t0, timings, reason)
-
-        # the coordinator commits; everyone learns the outcome
+        timings = {"plan_s": job.t_plan - job.t0, "assemble_write_s": job.t_stream - job.t_plan,
+                   "flush_s": job.t_written - job.t_stream}
+        if not job.exporter.writes_files:
+            total = time.perf_counter() - job.t0
+            return SnapshotInfo(name, step, None, 0, 0, job.p.plan.num_tensors, total, timings, job.reason, stall_s=total)
         error, final = None, self.output_dir / name
         if ctx.is_coordinator:
             try:
-                self._commit(staging_path, name, step, reason, metrics, p, all_files, timings, source)
+                self._commit(job.staging, name, step, job.reason, job.metrics, job.p, all_files, timings, job.source)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
-                shutil.rmtree(staging_path, ignore_errors=True)
+                shutil.rmtree(job.staging, ignore_errors=True)
         outcome = ctx.all_gather_object(error)[ctx.coordinator]
         if outcome:
             raise ExportError(f"export of step {step} to {final} failed while committing: {outcome}")
-        total = time.perf_counter() - t0
-        timings["commit_s"] = total - (t_written - t0)
+        total = time.perf_counter() - job.t0
+        timings["commit_s"] = total - (job.t_written - job.t0)
         timings["total_s"] = total
-        shard_bytes = sum(b for f, (b, _) in all_files.items())
-        info = SnapshotInfo(name, step, final, len(all_files), shard_bytes, p.plan.num_tensors, total, timings, reason,
-                            getattr(exporter, "peak_pending_bytes", 0), len(files))
+        shard_bytes = sum(b for b, _ in all_files.values())
+        stall = job.t_stream - job.t0 if job.thread is not None else total
+        info = SnapshotInfo(name, step, final, len(all_files), shard_bytes, job.p.plan.num_tensors, total, timings,
+                            job.reason, getattr(job.exporter, "peak_pending_bytes", 0), len(job.files), stall_s=stall)
         if ctx.is_coordinator:
             logger.info(
-                "snapshot %s (step %d, %s): %d files, %.1f MB in %.2f s (%.2f GB/s)",
-                name, step, reason or "export", info.files, info.bytes / 1e6, total, info.bytes / 1e9 / max(total, 1e-9),
+                "snapshot %s (step %d, %s): %d files, %.1f MB in %.2f s (%.2f GB/s), training stalled %.2f s",
+                name, step, job.reason or "export", info.files, info.bytes / 1e6, total,
+                info.bytes / 1e9 / max(total, 1e-9), stall,
             )
         return info
 
@@ -315,9 +420,12 @@ class ExportSession:
         commit.write_json_durable(staging / commit.MANIFEST, manifest)
         commit.commit_staging(staging, self.output_dir, name)
         commit.write_pointer(self.output_dir, "latest", name)
-        removed = commit.apply_retention(self.output_dir, self.pattern, self.config.retention.keep_last, protect=[name])
+        ret = self.config.retention
+        commit.update_best(self.output_dir, self.pattern, ret.metric, ret.mode)
+        removed = commit.apply_retention(self.output_dir, self.pattern, ret.keep_last, protect=[name],
+                                         keep_best=ret.keep_best, metric=ret.metric, mode=ret.mode)
         if removed:
-            logger.info("retention (keep_last=%d) removed %s", self.config.retention.keep_last, removed)
+            logger.info("retention (keep_last=%d, keep_best=%d) removed %s", ret.keep_last, ret.keep_best, removed)
 
     def _write_side_files(self, staging: Path, source: ModelSource, plan: ExportPlan) -> Dict[str, tuple]:
         """Index, config.json, generation_config.json, tokenizer files -> {file: (bytes, sha256)}."""
