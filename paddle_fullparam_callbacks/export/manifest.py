@@ -49,6 +49,12 @@ def describe_files(directory: Path, names: Iterable[str]) -> Dict[str, tuple]:
     return out
 
 
+def clean_metrics(metrics) -> dict:
+    """JSON-able metrics: numbers as floats, everything else as text."""
+    return {str(k): (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v))
+            for k, v in (metrics or {}).items()}
+
+
 def build_manifest(*, name, step, reason, metrics, config, plan: ExportPlan, files: Dict[str, tuple], timings, framework, topology=None) -> dict:
     total = sum(b for b, _ in files.values())
     return {
@@ -56,7 +62,7 @@ def build_manifest(*, name, step, reason, metrics, config, plan: ExportPlan, fil
         "snapshot": name,
         "step": int(step),
         "reason": reason,
-        "metrics": {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in (metrics or {}).items()},
+        "metrics": clean_metrics(metrics),
         "created_unix": time.time(),
         "export_format": config.export.format,
         "dtype": config.export.dtype,

@@ -18,7 +18,9 @@ the staging directory: nothing half-written stays visible.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -41,7 +43,7 @@ from ..plan.topology import WritePlan, plan_writes
 from . import commit
 from .distributed import LocalContext
 from .exporters import Exporter, make_exporter
-from .manifest import build_manifest, describe_files, dominant_float_dtype
+from .manifest import build_manifest, clean_metrics, describe_files, dominant_float_dtype
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 
@@ -113,6 +115,8 @@ class _Job:
     thread: Optional[threading.Thread] = None
     info: Optional[SnapshotInfo] = None
     exception: Optional[BaseException] = None
+    out_dir: Optional[Path] = None
+    pointers: bool = True  # update latest/best and apply retention after the commit
 
 
 class _NoProgress:
@@ -260,14 +264,20 @@ class ExportSession:
         if asm.errors:
             raise MappingError(asm.errors[0])
 
-    def export(self, source: ModelSource, step: int, metrics: Optional[dict] = None, reason: str = "") -> SnapshotInfo:
+    def export(self, source: ModelSource, step: int, metrics: Optional[dict] = None, reason: str = "",
+               into: Optional[Path] = None, name: Optional[str] = None) -> SnapshotInfo:
         """Export ``step``. Collective: every rank calls it. With ``export.async_write`` it returns
         once the tensors are assembled (``info.pending``); the next export or :meth:`wait_pending`
-        finishes the commit."""
+        finishes the commit.
+
+        ``into``/``name``: commit the snapshot as ``into/name`` (e.g. inside a trainer checkpoint)
+        instead of ``output_dir/<name_template>``; no pointer or retention is touched then.
+        """
         t0 = time.perf_counter()
         self.wait_pending()
         ctx, cfg = self.ctx, self.config
-        name = format_snapshot_name(cfg.export.name_template, step)
+        out_dir = Path(into) if into is not None else self.output_dir
+        name = name or format_snapshot_name(cfg.export.name_template, step)
         exporter: Exporter = make_exporter(cfg.export, self.fn, ctx)
         sd = source.sharded_state_dict()
         p = self.prepare(source, sd)
@@ -282,15 +292,15 @@ class ExportSession:
         staging, error = None, None
         if exporter.writes_files and ctx.is_coordinator:
             try:
-                commit.check_output_dir(self.output_dir)
-                staging = commit.new_staging_dir(self.output_dir, name)
+                commit.check_output_dir(out_dir)
+                staging = commit.new_staging_dir(out_dir, name)
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
         first = ctx.all_gather_object((str(staging) if staging else None, error))[ctx.coordinator]
         if first[1]:
-            raise ExportError(f"export of step {step} to {self.output_dir / name} failed: {first[1]}")
+            raise ExportError(f"export of step {step} to {out_dir / name} failed: {first[1]}")
         job = _Job(name, step, reason, metrics, p, Path(first[0]) if first[0] else None, exporter, source,
-                   len(keep), t0, time.perf_counter())
+                   len(keep), t0, time.perf_counter(), out_dir=out_dir, pointers=into is None)
 
         # assemble and write; an error stops this rank's writing, never its part in the collectives
         progress = _progress(ctx.is_coordinator, sum(p.plan.slots[n].nbytes for n in keep), name)
@@ -317,7 +327,7 @@ class ExportSession:
             job.thread.start()
             self._pending = job
             stall = time.perf_counter() - t0
-            return SnapshotInfo(name, step, self.output_dir / name, 0, 0, p.plan.num_tensors, stall,
+            return SnapshotInfo(name, step, out_dir / name, 0, 0, p.plan.num_tensors, stall,
                                 {"stall_s": stall}, reason, pending=True, stall_s=stall)
         self._finish_local(job)
         return self._finish_global(job)
@@ -336,6 +346,22 @@ class ExportSession:
         if job.exception is not None:
             raise job.exception
         return job.info
+
+    def annotate(self, step: int, metrics: dict) -> None:
+        """Add evaluation metrics to the committed snapshot of ``step`` (the manifest is replaced
+        atomically), then refresh ``best`` and retention. Every rank calls it; the coordinator acts."""
+        self.wait_pending()
+        name = format_snapshot_name(self.config.export.name_template, step)
+        path = self.output_dir / name / commit.MANIFEST
+        if not self.ctx.is_coordinator or not path.is_file():
+            return
+        manifest = json.loads(path.read_text())
+        manifest["metrics"] = {**(manifest.get("metrics") or {}), **clean_metrics(metrics)}
+        tmp = path.with_name(f".{commit.MANIFEST}.tmp")
+        commit.write_json_durable(tmp, manifest)
+        os.replace(tmp, path)
+        commit.fsync_dir(path.parent)
+        self._after_commit(name)
 
     @property
     def has_pending(self) -> bool:
@@ -372,17 +398,17 @@ class ExportSession:
                 shutil.rmtree(job.staging, ignore_errors=True)
             r, e = errors[0]
             where = f" (rank {r})" if ctx.world_size > 1 else ""
-            raise ExportError(f"export of step {step} to {self.output_dir / name} failed{where}: {e}")
+            raise ExportError(f"export of step {step} to {job.out_dir / name} failed{where}: {e}")
         all_files = {k: v for _, fs in statuses for k, v in fs.items()}
         timings = {"plan_s": job.t_plan - job.t0, "assemble_write_s": job.t_stream - job.t_plan,
                    "flush_s": job.t_written - job.t_stream}
         if not job.exporter.writes_files:
             total = time.perf_counter() - job.t0
             return SnapshotInfo(name, step, None, 0, 0, job.p.plan.num_tensors, total, timings, job.reason, stall_s=total)
-        error, final = None, self.output_dir / name
+        error, final = None, job.out_dir / name
         if ctx.is_coordinator:
             try:
-                self._commit(job.staging, name, step, job.reason, job.metrics, job.p, all_files, timings, job.source)
+                self._commit(job, all_files, timings)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 shutil.rmtree(job.staging, ignore_errors=True)
@@ -404,11 +430,12 @@ class ExportSession:
             )
         return info
 
-    def _commit(self, staging: Path, name, step, reason, metrics, p: _Prepared, files, timings, source) -> None:
+    def _commit(self, job: "_Job", files, timings) -> None:
+        staging, name, p, source = job.staging, job.name, job.p, job.source
         extra = self._write_side_files(staging, source, p.plan)
         topo = self.ctx.topology
         manifest = build_manifest(
-            name=name, step=step, reason=reason, metrics=metrics, config=self.config, plan=p.plan,
+            name=name, step=job.step, reason=job.reason, metrics=job.metrics, config=self.config, plan=p.plan,
             files={**files, **extra}, timings=timings, framework=source.framework,
             topology={
                 "world_size": topo.world_size, "axes": [list(a) for a in topo.axes],
@@ -418,8 +445,14 @@ class ExportSession:
             },
         )
         commit.write_json_durable(staging / commit.MANIFEST, manifest)
-        commit.commit_staging(staging, self.output_dir, name)
+        commit.commit_staging(staging, job.out_dir, name)
+        if not job.pointers:
+            return
         commit.write_pointer(self.output_dir, "latest", name)
+        self._after_commit(name)
+
+    def _after_commit(self, name: str) -> None:
+        """Point ``best`` at the best snapshot by the tracked metric, then apply retention."""
         ret = self.config.retention
         commit.update_best(self.output_dir, self.pattern, ret.metric, ret.mode)
         removed = commit.apply_retention(self.output_dir, self.pattern, ret.keep_last, protect=[name],

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, List, Optional
 
 from ..config.recipes import coerce_config
 from ..config.schema import FullParamConfig
 from ..export.runner import ExportError, ExportSession, SnapshotInfo
+from ..plan.decisions import Decision, decide
 from .model_info import build_model_source
 from .topology import build_context
 
@@ -55,9 +57,12 @@ class FullParamExportCallback:
         self.session: Optional[ExportSession] = None
         self.snapshots: List[SnapshotInfo] = []
         self.errors: List[str] = []
-        self.events: List[str] = []  # the export decisions taken: "reason@step"
+        self.events: List[str] = []  # the exports made: "reason@step"
+        self.decisions: List[str] = []  # every decision, exports and skips: "reason@step"
+        self.trainer = None  # set by attach(): stall seconds then go through trainer.log
+        self._hooked = False
+        self._last_time: Optional[float] = None
         self._last_step: Optional[int] = None
-        self._last_metrics: dict = {}
         self._source = None
         self._rank, self._world_size = 0, 1
 
@@ -101,46 +106,119 @@ class FullParamExportCallback:
     def on_step_end(self, args, state, control, **kwargs):
         n = self.config.trigger.every_n_steps
         if n and state.global_step > 0 and state.global_step % n == 0:
-            self._export(args, state, kwargs, "every_n_steps")
+            self._event(args, state, kwargs, "every_n_steps")
 
     def on_save(self, args, state, control, **kwargs):
-        if self.config.trigger.on_save:
-            self._export(args, state, kwargs, "save")
+        # with the checkpoint hook, the save-time snapshot goes into checkpoint-N/ instead
+        if self.config.trigger.on_save and not self._hooked:
+            self._event(args, state, kwargs, "save")
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        if metrics:
-            self._last_metrics = dict(metrics)
-        if self.config.trigger.on_evaluate:
-            self._export(args, state, kwargs, "evaluate")
+        metrics = dict(metrics or {})
+        if self.config.trigger.on_evaluate or self.config.retention.metric:
+            self._event(args, state, kwargs, "evaluate", metrics)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.config.trigger.on_train_end:
-            self._export(args, state, kwargs, "train_end")
+            self._event(args, state, kwargs, "train_end")
+        self._finish_pending(state)
 
-    # ---- the export ------------------------------------------------------------------------
-    def _export(self, args, state, kwargs, reason: str) -> Optional[SnapshotInfo]:
+    def export_into_checkpoint(self, args, state, model, tokenizer=None) -> Optional[SnapshotInfo]:
+        """The checkpoint hook: the snapshot of this step goes into ``<output_dir>/checkpoint-N/<subdir>``,
+        committed atomically like any snapshot, so the trainer's rotation removes both together."""
         if not self.config.enabled:
             return None
-        step = int(state.global_step)
-        if step == self._last_step:
-            return None  # two triggers on one step make one snapshot
-        model = kwargs.get("model")
         if self.session is None:
+            self._setup(args, model, tokenizer)
+        step = int(state.global_step)
+        ckpt = Path(args.output_dir) / f"checkpoint-{step}"
+        self._finish_pending(state)
+        self.events.append(f"checkpoint@{step}")
+        return self._run(lambda: self.session.export(self._source, step, reason="checkpoint", into=ckpt,
+                                                     name=self.config.checkpoint_hook.subdir), state)
+
+    # ---- decisions -------------------------------------------------------------------------
+    def _decide(self, reason: str, step: int, metrics: Optional[dict]) -> Decision:
+        """Taken on the coordinator and shared: every rank acts on the same decision and metric."""
+        ctx = self.session.ctx
+        proposal = None
+        if ctx.is_coordinator:
+            try:
+                d = decide(reason, step, time.time(), self._last_step, self._last_time,
+                           self.config.trigger.min_interval_s,
+                           self.config.retention.metric if reason == "evaluate" else None, metrics)
+                if reason == "evaluate" and not self.config.trigger.on_evaluate:
+                    d = Decision(False, "track: metric only", step, d.metric)
+                proposal = (d.export, d.reason, d.metric, None)
+            except (KeyError, ValueError) as e:
+                proposal = (False, "error", None, str(e.args[0]) if e.args else str(e))
+        export, why, metric, err = ctx.all_gather_object(proposal)[ctx.coordinator]
+        if err:
+            raise ValueError(err)
+        return Decision(export, why, step, metric)
+
+    def _event(self, args, state, kwargs, reason: str, metrics: Optional[dict] = None) -> Optional[SnapshotInfo]:
+        if not self.config.enabled:
+            return None
+        if self.session is None:
+            model = kwargs.get("model")
             if model is None:
                 return None
             self._setup(args, model, kwargs.get("tokenizer") or kwargs.get("processing_class"))
-        self._last_step = step
+        step = int(state.global_step)
+        d = self._decide(reason, step, metrics)
+        self.decisions.append(f"{d.reason}@{step}")
+        if reason == "evaluate" and d.metric is not None and not d.export and step == self._last_step:
+            # the step was exported by an earlier trigger (e.g. every_n_steps before the evaluation):
+            # its snapshot gets the metric, so best-by-metric sees it
+            self._finish_pending(state)
+            self.session.annotate(step, {self.config.retention.metric: d.metric, **(metrics or {})})
+        if not d.export:
+            return None
+        self._finish_pending(state)
+        self._last_step, self._last_time = step, time.time()
         self.events.append(f"{reason}@{step}")
         tokenizer = kwargs.get("tokenizer") or kwargs.get("processing_class")
         if tokenizer is not None:
             self._source.tokenizer = tokenizer
+        return self._run(lambda: self.session.export(self._source, step, metrics=metrics if reason == "evaluate" else None,
+                                                     reason=reason), state)
+
+    def _run(self, export_fn, state) -> Optional[SnapshotInfo]:
         try:
-            info = self.session.export(self._source, step, metrics=self._last_metrics, reason=reason)
+            info = export_fn()
         except ExportError as e:
-            self.errors.append(str(e))
-            if self.config.on_error == "raise":
-                raise
-            logger.warning("full-parameter export failed, training continues (on_error=warn): %s", e)
+            self._report(e)
             return None
-        self.snapshots.append(info)
+        self._record(info, state)
         return info
+
+    def _finish_pending(self, state) -> None:
+        """Wait for a background export to commit (collective); its errors are reported here."""
+        if self.session is None or not self.session.has_pending:
+            return
+        try:
+            info = self.session.wait_pending()
+        except ExportError as e:
+            self._report(e)
+            return
+        if info is not None:
+            self.snapshots = [info if (s.pending and s.name == info.name) else s for s in self.snapshots]
+
+    def _report(self, e: Exception) -> None:
+        self.errors.append(str(e))
+        if self.config.on_error == "raise":
+            raise e
+        logger.warning("full-parameter export failed, training continues (on_error=warn): %s", e)
+
+    def _record(self, info: SnapshotInfo, state) -> None:
+        self.snapshots.append(info)
+        entry = {"fullparam/stall_s": round(info.stall_s, 4), "fullparam/snapshot": info.name, "step": info.step}
+        if self.trainer is not None and hasattr(self.trainer, "log") and self.session.ctx.is_coordinator:
+            self._logging = True
+            try:
+                self.trainer.log({"fullparam/stall_s": round(info.stall_s, 4)})
+            finally:
+                self._logging = False
+        elif state is not None and hasattr(state, "log_history"):
+            state.log_history.append(entry)
