@@ -116,6 +116,7 @@ class _Job:
     info: Optional[SnapshotInfo] = None
     exception: Optional[BaseException] = None
     out_dir: Optional[Path] = None
+    stall_s: float = 0.0
     pointers: bool = True  # update latest/best and apply retention after the commit
 
 
@@ -326,7 +327,7 @@ class ExportSession:
             job.thread = threading.Thread(target=self._background, args=(job,), name="pfc-commit", daemon=True)
             job.thread.start()
             self._pending = job
-            stall = time.perf_counter() - t0
+            stall = job.stall_s = time.perf_counter() - t0
             return SnapshotInfo(name, step, out_dir / name, 0, 0, p.plan.num_tensors, stall,
                                 {"stall_s": stall}, reason, pending=True, stall_s=stall)
         self._finish_local(job)
@@ -419,7 +420,7 @@ class ExportSession:
         timings["commit_s"] = total - (job.t_written - job.t0)
         timings["total_s"] = total
         shard_bytes = sum(b for b, _ in all_files.values())
-        stall = job.t_stream - job.t0 if job.thread is not None else total
+        stall = job.stall_s if job.thread is not None else total
         info = SnapshotInfo(name, step, final, len(all_files), shard_bytes, job.p.plan.num_tensors, total, timings,
                             job.reason, getattr(job.exporter, "peak_pending_bytes", 0), len(job.files), stall_s=stall)
         if ctx.is_coordinator:
