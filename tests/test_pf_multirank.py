@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tests" / "multirank"))
 
 import harness  # noqa: E402
 
-from _helpers import snapshot_tensors  # noqa: E402
+from _helpers import LINEAR, snapshot_tensors  # noqa: E402
 from paddle_fullparam_callbacks import verify_snapshot  # noqa: E402
 
 pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
@@ -114,16 +114,27 @@ def test_pure_data_parallel_trainer_two_ranks(tmp_path):
     assert res.rc == 0 and not res.timed_out, res.describe()
     reports = [r for _, r in res.tagged("TRAIN")]
     assert len(reports) == 2 and reports[0]["events"] == reports[1]["events"]
-    assert reports[0]["events"] == ["every_n_steps@3", "save@4", "every_n_steps@6", "save@8"]
+    assert reports[0]["decisions"] == reports[1]["decisions"]  # taken on rank 0, shared
+    # evaluation comes before the save of the same step: one snapshot, then a shared skip
+    assert reports[0]["events"] == ["every_n_steps@3", "evaluate@4", "every_n_steps@6", "evaluate@8"]
+    assert "skip: step 4 already exported@4" in reports[0]["decisions"]
     assert all(r["errors"] == [] and r["num_splits"] == 2 for r in reports)
     assert all(r["files_written_here"][-1] > 0 for r in reports)  # both replicas wrote part of it
     snaps = tmp_path / "snaps"
-    assert sorted(p.name for p in snaps.iterdir()) == ["hf-step-000006", "hf-step-000008", "latest"]
+    names = sorted(p.name for p in snaps.iterdir())
+    assert names[0] == "best" and names[-1] == "latest" and "hf-step-000006" in names and "hf-step-000008" in names
+    best = (snaps / "best").read_text().strip()
+    losses = {n: json.loads((snaps / n / "fullparam_manifest.json").read_text())["metrics"].get("eval_loss")
+              for n in names if n.startswith("hf-")}
+    assert best in losses and losses[best] == min(v for v in losses.values() if v is not None)
     for name in ("hf-step-000006", "hf-step-000008"):
         assert verify_snapshot(snaps / name).ok
-    final = dict(np.load(tmp_path / "final.npz"))
+    final = dict(np.load(tmp_path / "final-rank0.npz"))
+    other = dict(np.load(tmp_path / "final-rank1.npz"))
+    assert all(np.array_equal(final[k], other[k]) for k in final)  # the replicas agree
     got = snapshot_tensors(snaps / "hf-step-000008")
     final.pop("lm_head.weight")  # tied to the embedding: not in the HF file
     assert set(got) == set(final)
-    for k, v in final.items():
-        assert got[k].tobytes() == v.tobytes(), k
+    for k, v in final.items():  # HF layout: Linear weights transposed
+        expected = np.ascontiguousarray(v.T) if LINEAR.search(k) else v
+        assert got[k].tobytes() == expected.tobytes(), k

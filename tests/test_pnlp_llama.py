@@ -68,3 +68,38 @@ def test_callback_in_paddlenlp_trainer(tmp_path):
         assert verify_snapshot(out / name).ok
     got = snapshot_tensors(out / "hf-step-000012")
     assert_bitwise_equal(got, expected_hf_tensors(model, _hf_name, lm_head_is_linear=True))
+
+
+class _Scripted:
+    """Rewrites each evaluation's metrics (the dict is shared by the callbacks that follow)."""
+
+    def __init__(self, values):
+        self.values, self.n = list(values), 0
+
+    def __getattr__(self, attr):
+        if attr.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(attr)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        metrics["eval_score"] = self.values[self.n]
+        self.n += 1
+
+
+@pytest.mark.slow
+def test_best_by_metric_in_paddlenlp_trainer(tmp_path):
+    from paddle_fullparam_callbacks.cli.demo import TokenDataset
+
+    out = tmp_path / "snaps"
+    cb = FullParamExportCallback.from_recipe(
+        "eval_best", overrides=[f"output_dir={out}", "retention.metric=eval_score", "retention.mode=min",
+                                "retention.keep_best=1", "retention.keep_last=1"])
+    args = trainer_args("paddlenlp", str(tmp_path / "trainer"), 8, evaluation_strategy="steps", eval_steps=2,
+                        per_device_eval_batch_size=4, save_steps=100)
+    trainer = make_trainer("paddlenlp", make_tiny_llama("paddlenlp", seed=0), args, [_Scripted([4.0, 2.0, 3.0, 5.0]), cb],
+                           eval_dataset=TokenDataset(n=8, seed=1))
+    trainer.train()
+    assert cb.events == ["evaluate@2", "evaluate@4", "evaluate@6", "evaluate@8"] and cb.errors == []
+    assert sorted(os.listdir(out)) == ["best", "hf-step-000004", "hf-step-000008", "latest"]
+    assert (out / "best").read_text().strip() == "hf-step-000004"
+    assert verify_snapshot(out / "hf-step-000004").ok
