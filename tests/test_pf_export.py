@@ -226,3 +226,27 @@ def test_host_arrays_share_parameter_memory():
     assert not view.flags.c_contiguous and view.ctypes.data == t.data_ptr()
     b = to_host_array(p.astype("bfloat16"))
     assert b.dtype == np.uint16 and b.shape == tuple(p.shape)
+
+
+def test_async_export_is_committed_at_interpreter_exit(tmp_path):
+    # a background export still pending when the script ends is finished by the atexit hook
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        from paddle_fullparam_callbacks.cli.demo import make_tiny_llama
+        from paddle_fullparam_callbacks.config import load_config
+        from paddle_fullparam_callbacks.export import ExportSession
+        from paddle_fullparam_callbacks.integrations.model_info import build_model_source
+        m = make_tiny_llama(seed=1)
+        cfg = load_config(None, ["output_dir={tmp_path}", "export.async_write=true"])
+        s = ExportSession(cfg, cfg.output_dir); s.start()
+        info = s.export(build_model_source(m, cfg), 9)
+        print("PENDING", info.pending)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "PENDING True" in out.stdout
+    assert verify_snapshot(tmp_path / "hf-step-000009").ok
+    assert (tmp_path / "latest").read_text().strip() == "hf-step-000009"

@@ -17,6 +17,7 @@ the staging directory: nothing half-written stays visible.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -153,6 +154,7 @@ class ExportSession:
         self.ctx = ctx or LocalContext()
         self._prepared: Optional[_Prepared] = None
         self._pending: Optional[_Job] = None
+        self._atexit_registered = False
         self.pattern = snapshot_step_pattern(config.export.name_template)
 
     def start(self) -> List[str]:
@@ -327,6 +329,9 @@ class ExportSession:
             job.thread = threading.Thread(target=self._background, args=(job,), name="pfc-commit", daemon=True)
             job.thread.start()
             self._pending = job
+            if not self._atexit_registered:
+                atexit.register(self._wait_at_exit)
+                self._atexit_registered = True
             stall = job.stall_s = time.perf_counter() - t0
             return SnapshotInfo(name, step, out_dir / name, 0, 0, p.plan.num_tensors, stall,
                                 {"stall_s": stall}, reason, pending=True, stall_s=stall)
@@ -363,6 +368,22 @@ class ExportSession:
         os.replace(tmp, path)
         commit.fsync_dir(path.parent)
         self._after_commit(name)
+
+    def _wait_at_exit(self) -> None:
+        """Interpreter exit: a single-process background commit is finished, not lost.
+
+        (With several ranks the commit needs collectives, which cannot run at exit; the trainer's
+        on_train_end finishes it. A job killed before that leaves only its .tmp-* directory.)"""
+        if self._pending is None:
+            return
+        if self.ctx.world_size > 1:
+            logger.warning("exiting with the background export of %s uncommitted (several ranks: it needs the "
+                           "next trainer event); only its staging directory remains", self._pending.name)
+            return
+        try:
+            self.wait_pending()
+        except Exception as e:  # at exit: report, never raise
+            logger.error("the background export failed at exit: %s", e)
 
     @property
     def has_pending(self) -> bool:
