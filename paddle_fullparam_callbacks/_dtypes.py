@@ -5,6 +5,7 @@ dtype; its bytes are carried as ``uint16`` (the same bit pattern Paddle and torc
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,16 +46,24 @@ def lookup(name: str) -> DType:
     >>> lookup("paddle.bfloat16").st_code
     'BF16'
     """
-    key = str(name)
+    row = BY_NAME.get(name) if isinstance(name, str) else None
+    if row is not None:  # the common case, on hot paths: a plain Paddle name
+        return row
+    return _lookup_slow(str(name))
+
+
+@functools.lru_cache(maxsize=256)
+def _lookup_slow(key: str) -> DType:
     for prefix in ("paddle.", "VarType.", "DataType."):
         if key.startswith(prefix):
             key = key[len(prefix):]
+    original = key
     key = key.lower()
     key = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "float": "float32"}.get(key, key)
     try:
         return BY_NAME[key]
     except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}; supported: {sorted(BY_NAME)}") from None
+        raise ValueError(f"unsupported dtype {original!r}; supported: {sorted(BY_NAME)}") from None
 
 
 def as_bytes_view(array: np.ndarray) -> memoryview:

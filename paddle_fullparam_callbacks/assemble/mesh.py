@@ -76,10 +76,15 @@ class Round:
 def records_from_state_dict(rank: int, sharded_state_dict) -> List[ShardRecord]:
     from .mapping import dtype_name
 
-    return [
-        ShardRecord(rank, k, tuple(sw.global_offset), tuple(sw.local_shape), tuple(sw.global_shape), dtype_name(sw.local_tensor))
-        for k, sw in sharded_state_dict.items()
-    ]
+    names: Dict[object, str] = {}  # one lookup per distinct dtype, not per tensor
+    out = []
+    for k, sw in sharded_state_dict.items():
+        dt = sw.local_tensor.dtype
+        name = names.get(dt)
+        if name is None:
+            name = names[dt] = dtype_name(dt)
+        out.append(ShardRecord(rank, k, tuple(sw.global_offset), tuple(sw.local_shape), tuple(sw.global_shape), name))
+    return out
 
 
 def validate_records(records: Sequence[ShardRecord]) -> None:
@@ -134,6 +139,18 @@ def shard_info_from_records(records: Sequence[ShardRecord]) -> Dict[str, list]:
     return info
 
 
+def _to_paddle(arr: np.ndarray, dtype: str):
+    """A Paddle tensor over a host array's memory (no copy). bfloat16 (held as uint16) goes
+    through a uint8 view: Paddle has no uint16 -> bfloat16 view kernel."""
+    import paddle
+
+    arr = np.ascontiguousarray(arr)
+    if dtype == "bfloat16":
+        shape = list(arr.shape)
+        return paddle.from_dlpack(arr.view(np.uint8).reshape(-1)).view("bfloat16").reshape(shape)
+    return paddle.from_dlpack(arr)
+
+
 def _intersects(a_off, a_shape, b_off, b_shape) -> bool:
     return all(max(x, y) < min(x + n, y + m) for x, n, y, m in zip(a_off, a_shape, b_off, b_shape))
 
@@ -141,13 +158,15 @@ def _intersects(a_off, a_shape, b_off, b_shape) -> bool:
 def plan_read_items(records: Sequence[ShardRecord], dmap: DestinationMap, targets: Sequence[str]) -> List[ReadItem]:
     """The slices the mesh must move to assemble ``targets``, ordered by first use.
 
-    Replicas (same key, offset and shape on several ranks) are read once, from the lowest rank.
+    Replicas (same key, offset and shape on several ranks) are read once, from the holder that
+    sends the fewest bytes so far (ties: the lowest rank), so the gather buffers stay balanced.
     """
     by_key: Dict[str, Dict[tuple, List[ShardRecord]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         by_key[r.key][(r.offset, r.shape)].append(r)
     items: List[ReadItem] = []
     index: Dict[tuple, ReadItem] = {}
+    load: Dict[int, int] = defaultdict(int)  # bytes each rank sends: replicas go to the least loaded holder
     for name in targets:
         for e in dmap.entries[name]:
             src = e.source_slice
@@ -161,7 +180,8 @@ def plan_read_items(records: Sequence[ShardRecord], dmap: DestinationMap, target
                 item = index.get(ident)
                 if item is None:
                     holders = sorted(holders, key=lambda r: r.rank)
-                    h0 = holders[0]
+                    h0 = min(holders, key=lambda h: (load[h.rank], h.rank))
+                    load[h0.rank] += h0.nbytes
                     item = ReadItem(len(items), src.key, off, shape, h0.dtype, h0.rank,
                                     tuple(h.rank for h in holders), h0.nbytes)
                     index[ident] = item
@@ -240,6 +260,7 @@ class MeshAssembler:
                 for c in mine:
                     self._missing[c] += 1
         self._store: Dict[int, np.ndarray] = {}
+        self._order = {n: k for k, n in enumerate(self.targets)}
         self._pending_uses: Dict[int, int] = {i: len(u) for i, u in self._users.items()}
 
     def replica_digests(self) -> Dict[int, str]:
@@ -341,13 +362,16 @@ class MeshAssembler:
         if not flat.place.is_cpu_place():
             flat = flat.cpu()
         arr = np.from_dlpack(flat)[: item.nbytes]
+        # copied out of the collective's buffer: keeping DLPack views of all_gather outputs alive
+        # across later collectives made gloo time out in the 4-rank tests (Paddle 3.3.1)
         self._store[item.id] = arr.view(dt.np_storage).reshape(item.shape).copy()
 
     def _source_slice(self, desc):
         """The source region ``desc`` stitched from the stored slices (checking that overlaps agree)."""
-        import paddle
-
         dt = _dtypes.lookup(desc.dtype or "float32")
+        for it in self._items_by_key.get(desc.key, ()):
+            if it.id in self._store and it.offset == tuple(desc.global_offset) and it.shape == tuple(desc.local_shape):
+                return _to_paddle(self._store[it.id], dt.name)  # one slice is the whole region: no copy
         out = np.empty(desc.local_shape, dtype=dt.np_storage)
         filled = np.zeros(desc.local_shape, dtype=bool)
         for it in self._items_by_key.get(desc.key, ()):
@@ -368,10 +392,7 @@ class MeshAssembler:
             filled[dst_ix] = True
         if not filled.all():
             raise MappingError(f"parameter {desc.key!r}: the mesh's slices do not cover the region {list(desc.global_offset)}+{list(desc.local_shape)}")
-        t = paddle.to_tensor(out)
-        if dt.name == "bfloat16":
-            t = t.view("bfloat16")
-        return t
+        return _to_paddle(out, dt.name)
 
     def _ready(self, item_ids: Iterable[int]) -> List[str]:
         ready = []
@@ -380,8 +401,7 @@ class MeshAssembler:
                 self._missing[c] -= 1
                 if self._missing[c] == 0:
                     ready.append(c)
-        order = {n: k for k, n in enumerate(self.targets)}
-        return sorted(set(ready), key=order.__getitem__)
+        return sorted(set(ready), key=self._order.__getitem__)
 
     def _release(self, name: str) -> None:
         for e in self.dmap.entries[name]:

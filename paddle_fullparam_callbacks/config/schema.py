@@ -154,8 +154,10 @@ class TopologyConfig:
 
     sharding_stage: Optional[int] = None
     """1/2: sharding replicas split the work; 3: sharding joins the mesh. None: from the trainer's args."""
-    bucket_bytes: str = "64MB"
-    """Per rank and collective: small slices are packed into one buffer up to this size."""
+    bucket_bytes: str = "2MB"
+    """Per rank and collective: small slices are packed into one buffer up to this size; larger
+    ones travel alone. Small buckets pipeline better (measured on CPU: 2MB 2.6x faster than
+    Paddle's full_param on 1024x1024 tensors, one 128MB round 0.4x; bench/assembler.py)."""
     memory_growth_threshold: str = "1GB"
     """Most memory one collective may add on a rank (mesh size x bucket); a larger slice travels alone."""
 

@@ -41,7 +41,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--paddle", action="store_true", help="also export with assembler=paddle")
     ap.add_argument("--dtype", default="keep")
-    ap.add_argument("--bucket", default="64MB", help="topology.bucket_bytes: small forces many rounds and broadcasts")
+    ap.add_argument("--bucket", default="2MB", help="topology.bucket_bytes: small forces many rounds and broadcasts")
+    ap.add_argument("--param-dtype", default="float32", help="dtype of the model's parameters (bfloat16: bf16 training)")
     ns = ap.parse_args()
 
     import paddle.distributed as dist
@@ -52,6 +53,10 @@ def main():
     hcg = harness.init_fleet(dp=ns.dp, mp=ns.mp, pp=ns.pp, sharding=ns.sharding)
     rank = dist.get_rank()
     model = harness.TinyParallelLlama(hcg=hcg)
+    if ns.param_dtype != "float32":
+        model.to(dtype=ns.param_dtype)
+        bad = [k for k, s in model.param_specs.items() if str(s.param.dtype) != f"paddle.{ns.param_dtype}"]
+        assert not bad, f"parameters not cast to {ns.param_dtype}: {bad[:3]}"
     model.sharded_state_dict = lambda: harness.sharded_state_dict(model)  # see harness docstring
     common = ["trigger.every_n_steps=2", "trigger.on_save=true", "trigger.on_train_end=true",
               "export.max_shard_size=3KB", f"export.dtype={ns.dtype}", "export.aoa=" + json.dumps(AOA),
