@@ -10,9 +10,9 @@ On every rank: ``harness.init_fleet(mp=2, pp=2)`` (the gloo-safe group creation)
 case a synthetic sharded state dict (see ``build_state_dict``) and, per repetition, the variants
 ``paddle`` (Paddle 3.3.1's ``full_param`` HV path), ``builtin`` (this package's MeshAssembler,
 keep = every target, metadata exchange and planning included in the timed region) and
-``builtin_keep_own`` (same, keep = a quarter of the targets), and ``builtin_bucket2MB`` /
-``builtin_bucket8MB`` (keep = all, with a smaller ``bucket_bytes`` than the runner's default
-``export.max_pending_bytes // 4`` = 128 MiB; large case only), interleaved and rotated, each between two barriers. Before the timed repetitions one untimed warm-up pass per variant checks, on rank 0,
+``builtin_keep_own`` (same, keep = a quarter of the targets), and ``builtin_bucket8MB`` /
+``builtin_bucket128MB`` (keep = all, with a larger ``bucket_bytes`` than the default
+``topology.bucket_bytes`` = 2MB; large case only), interleaved and rotated, each between two barriers. Before the timed repetitions one untimed warm-up pass per variant checks, on rank 0,
 that ``paddle`` and ``builtin`` yield bit-identical tensors (sha256 of every tensor's bytes) and
 that they match the values the state dict was built from.
 """
@@ -43,8 +43,11 @@ CASES = {
     "small": (2000, 64),
     "large": (64, 1024),
 }
-VARIANTS = ("paddle", "builtin", "builtin_keep_own", "builtin_bucket2MB", "builtin_bucket8MB")
-DEFAULT_BUCKET = 128 * 2**20  # what ExportSession passes: export.max_pending_bytes (512MB default) // 4
+VARIANTS = ("paddle", "builtin", "builtin_keep_own", "builtin_bucket8MB", "builtin_bucket128MB")
+# what ExportSession passes on a 4-rank mesh: the topology config's default bucket
+from paddle_fullparam_callbacks.config import TopologyConfig  # noqa: E402
+
+DEFAULT_BUCKET = TopologyConfig().bucket_for(4)
 
 
 def global_values(i: int, n: int) -> np.ndarray:
@@ -190,7 +193,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET,
-                    help="MeshAssembler bucket of 'builtin' and 'builtin_keep_own' (the runner's default: max_pending/4)")
+                    help="MeshAssembler bucket of 'builtin' and 'builtin_keep_own' (default: topology.bucket_bytes)")
     ap.add_argument("--profile-dir", default="", help="one extra untimed pass of paddle and builtin per case under cProfile (rank 0's stats kept)")
     ns = ap.parse_args()
 
