@@ -41,7 +41,7 @@ test-paddlenlp:
 
 bench:
 	@PY=$$($(ENV) paddleformers); $(call install,$$PY); \
-	$$PY bench/export_single.py
+	$$PY bench/export_single.py && $$PY bench/assembler.py && $$PY bench/async_stall.py
 
 clean:
 	rm -rf demo_output .pytest_cache .hypothesis *.egg-info

@@ -64,7 +64,6 @@ class FullParamExportCallback:
         self._last_time: Optional[float] = None
         self._last_step: Optional[int] = None
         self._source = None
-        self._rank, self._world_size = 0, 1
 
     @classmethod
     def from_recipe(cls, recipe, overrides: Iterable[str] = (), **kwargs) -> "FullParamExportCallback":
@@ -91,7 +90,6 @@ class FullParamExportCallback:
         if self.session is not None:
             return
         ctx = build_context(args, self.config.topology.sharding_stage)
-        self._rank, self._world_size = ctx.rank, ctx.world_size
         session = ExportSession(self.config, self._output_dir(args), fn=self.fn, ctx=ctx)
         session.start()
         self._source = build_model_source(model, self.config, tokenizer)
@@ -214,11 +212,8 @@ class FullParamExportCallback:
     def _record(self, info: SnapshotInfo, state) -> None:
         self.snapshots.append(info)
         entry = {"fullparam/stall_s": round(info.stall_s, 4), "fullparam/snapshot": info.name, "step": info.step}
-        if self.trainer is not None and hasattr(self.trainer, "log") and self.session.ctx.is_coordinator:
-            self._logging = True
-            try:
-                self.trainer.log({"fullparam/stall_s": round(info.stall_s, 4)})
-            finally:
-                self._logging = False
+        if self.trainer is not None and hasattr(self.trainer, "log"):
+            # on every rank, as the trainer itself logs (its loggers write on rank 0 only)
+            self.trainer.log({"fullparam/stall_s": round(info.stall_s, 4)})
         elif state is not None and hasattr(state, "log_history"):
             state.log_history.append(entry)
