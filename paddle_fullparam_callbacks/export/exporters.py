@@ -9,10 +9,8 @@ import importlib
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
-import numpy as np
-
 from ..plan.export_plan import ExportPlan
-from .host import to_host_array
+from .host import detached_copy, to_host_array
 from .safetensors_io import FileResult, SnapshotWriter
 
 
@@ -39,10 +37,11 @@ class Exporter:
 class SafetensorsExporter(Exporter):
     """Sharded safetensors files following the plan, through the streaming writer."""
 
-    def __init__(self, max_pending_bytes: int, background: bool = True, copy: bool = False):
+    def __init__(self, max_pending_bytes: int, background: bool = True, copy: bool = False, ring=None):
         self.max_pending_bytes = max_pending_bytes
         self.background = background
         self.copy = copy  # async: training resumes before the bytes are on disk, so hand over a copy
+        self.ring = ring  # reusable host memory for those copies (HostRing), if any
         self.writer: Optional[SnapshotWriter] = None
 
     def begin(self, plan, staging_dir, step, file_indices=None):
@@ -52,9 +51,11 @@ class SafetensorsExporter(Exporter):
 
     def write(self, name, tensor):
         arr = to_host_array(tensor)
+        release = None
         if self.copy:
-            arr = np.array(arr, copy=True, order="C")
-        self.writer.put(name, arr)
+            copied, release = self.ring.copy_in(arr) if self.ring is not None else (None, None)
+            arr = copied if copied is not None else detached_copy(arr)
+        self.writer.put(name, arr, release)
 
     def finish(self):
         return self.writer.close()
@@ -111,12 +112,12 @@ def load_callable(spec: str) -> Callable:
     return obj
 
 
-def make_exporter(export_cfg, fn: Optional[Callable] = None, ctx=None) -> Exporter:
+def make_exporter(export_cfg, fn: Optional[Callable] = None, ring=None) -> Exporter:
     fmt = export_cfg.format
     if fmt == "hf_safetensors":
-        return HFSafetensorsExporter(export_cfg.max_pending, copy=export_cfg.async_write)
+        return HFSafetensorsExporter(export_cfg.max_pending, copy=export_cfg.async_write, ring=ring)
     if fmt == "paddle_safetensors":
-        return PaddleSafetensorsExporter(export_cfg.max_pending, copy=export_cfg.async_write)
+        return PaddleSafetensorsExporter(export_cfg.max_pending, copy=export_cfg.async_write, ring=ring)
     if fmt == "callable":
         return CallableExporter(fn or load_callable(export_cfg.callable))
     raise ValueError(f"unknown export.format {fmt!r}")

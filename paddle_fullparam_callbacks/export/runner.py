@@ -155,6 +155,7 @@ class ExportSession:
         self._prepared: Optional[_Prepared] = None
         self._pending: Optional[_Job] = None
         self._atexit_registered = False
+        self._ring = None
         self.pattern = snapshot_step_pattern(config.export.name_template)
 
     def start(self) -> List[str]:
@@ -222,6 +223,8 @@ class ExportSession:
                 "or their configs differ); refusing to export"
             )
         self._prepared = prepared
+        if self.config.export.async_write and self._ring is None and self._pending is None:
+            self._host_ring()  # allocate and touch the staging memory now, not during the first export
         return prepared
 
     # ---- the export ----------------------------------------------------------------------
@@ -281,7 +284,7 @@ class ExportSession:
         ctx, cfg = self.ctx, self.config
         out_dir = Path(into) if into is not None else self.output_dir
         name = name or format_snapshot_name(cfg.export.name_template, step)
-        exporter: Exporter = make_exporter(cfg.export, self.fn, ctx)
+        exporter: Exporter = make_exporter(cfg.export, self.fn, self._host_ring())
         sd = source.sharded_state_dict()
         p = self.prepare(source, sd)
         mesh_files = p.writes.files_of_mesh(ctx.mesh.index)
@@ -337,6 +340,24 @@ class ExportSession:
                                 {"stall_s": stall}, reason, pending=True, stall_s=stall)
         self._finish_local(job)
         return self._finish_global(job)
+
+    def _host_ring(self):
+        """Host memory reused by every background export (pre-faulted once): see HostRing.
+
+        ``export.max_pending_bytes``, or less when this rank's files are smaller."""
+        if not self.config.export.async_write or self.config.export.format == "callable":
+            return None
+        if self._ring is None:
+            from .host import HostRing
+
+            size = self.config.export.max_pending
+            if self._prepared is not None:
+                p = self._prepared
+                mine = sum(p.plan.files[i].data_bytes for i in p.writes.files_of_rank(self.ctx.rank))
+                size = max(1, min(size, mine))
+            self._ring = HostRing(size)
+        self._ring.reset()  # the previous export has finished (wait_pending ran first)
+        return self._ring
 
     def wait_pending(self) -> Optional[SnapshotInfo]:
         """Finish a background (async_write) export: wait for its bytes, commit, report errors.

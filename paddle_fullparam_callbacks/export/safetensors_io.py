@@ -86,6 +86,10 @@ class _Hasher:
     def update(self, h, buf) -> None:
         self._queue.put((h, buf))
 
+    def after(self, fn) -> None:
+        """Call ``fn`` once every update queued so far is applied (its buffers may then be reused)."""
+        self._queue.put((None, fn))
+
     def drain(self) -> None:
         """Wait until every queued update is applied."""
         self._queue.join()
@@ -102,7 +106,9 @@ class _Hasher:
             try:
                 if item is None:
                     return
-                if self._error is None:
+                if item[0] is None:
+                    item[1]()
+                elif self._error is None:
                     item[0].update(item[1])
             except BaseException as e:  # surfaced by drain()
                 self._error = e
@@ -166,6 +172,9 @@ class _InlineHasher:
     def update(self, h, buf) -> None:
         h.update(buf)
 
+    def after(self, fn) -> None:
+        fn()
+
     def drain(self) -> None:
         pass
 
@@ -196,7 +205,7 @@ class _FileState:
     def done(self) -> bool:
         return len(self.written) == len(self.order)
 
-    def write(self, slot: TensorSlot, array: np.ndarray, hash_it: bool) -> None:
+    def write(self, slot: TensorSlot, array: np.ndarray, hash_it: bool, release=None) -> None:
         """Write ``array`` at its slot; a strided view (e.g. a transpose) is copied block by block."""
         offset = self.base + slot.begin
         for block in _contiguous_blocks(array):
@@ -210,6 +219,8 @@ class _FileState:
                 self.flusher.request(self.fd)
                 self.unflushed = 0
         self.written.add(slot.name)
+        if release is not None:  # the producer may reuse the array's memory once it is hashed
+            self.hasher.after(release) if hash_it else release()
 
     def finish(self) -> FileResult:
         self.flusher.wait()  # no early flush may still use the fd
@@ -273,7 +284,8 @@ class SnapshotWriter:
         slot = self.plan.slots.get(name)
         return slot is not None and slot.file_index in self.files
 
-    def put(self, name: str, array: np.ndarray) -> None:
+    def put(self, name: str, array: np.ndarray, release=None) -> None:
+        """Hand over one tensor; ``release()`` is called once its bytes are written and hashed."""
         self._raise_if_failed()
         slot = self.plan.slots.get(name)
         if slot is None:
@@ -290,7 +302,7 @@ class SnapshotWriter:
             )
         self._received.add(name)
         if self._thread is None:
-            self._accept(slot, array)
+            self._accept(slot, array, release)
             return
         n = array.nbytes
         with self._cv:
@@ -300,7 +312,7 @@ class SnapshotWriter:
                 self._cv.wait()
             self._queued_bytes += n
             self._note_peak()
-        self._queue.put((slot, array))
+        self._queue.put((slot, array, release))
 
     def close(self) -> dict:
         """Wait for all bytes, fsync every file, return {file name: FileResult}."""
@@ -344,20 +356,20 @@ class SnapshotWriter:
             st = self._states[index] = _FileState(self.directory, self.files[index], self._hasher, self._flusher)
         return st
 
-    def _accept(self, slot: TensorSlot, array: np.ndarray) -> None:
+    def _accept(self, slot: TensorSlot, array: np.ndarray, release=None) -> None:
         st = self._state(slot.file_index)
         expected = st.order[st.next_slot] if st.next_slot < len(st.order) else None
         if expected is not None and expected.name == slot.name:
-            st.write(slot, array, hash_it=not st.rehash)
+            st.write(slot, array, hash_it=not st.rehash, release=release)
             st.next_slot += 1
             self._drain_stash(st)
         elif self._stash_bytes + array.nbytes <= self.budget // 2:
-            st.stash[slot.name] = array
+            st.stash[slot.name] = (array, release)
             with self._cv:
                 self._stash_bytes += array.nbytes
                 self._note_peak()
         else:
-            st.write(slot, array, hash_it=False)  # out of order, no room to hold it: hash redone at the end
+            st.write(slot, array, hash_it=False, release=release)  # out of order, no room: hash redone at the end
             st.rehash = True
         if st.done and not st.stash and slot.file_index not in self._results:
             self._drain_stash(st)
@@ -366,9 +378,10 @@ class SnapshotWriter:
     def _drain_stash(self, st: _FileState) -> None:
         while st.next_slot < len(st.order):
             s = st.order[st.next_slot]
-            array = st.stash.pop(s.name, None)
-            if array is not None:
-                st.write(s, array, hash_it=not st.rehash)
+            held = st.stash.pop(s.name, None)
+            if held is not None:
+                array, release = held
+                st.write(s, array, hash_it=not st.rehash, release=release)
                 with self._cv:
                     self._stash_bytes -= array.nbytes
             elif s.name in st.written:
@@ -382,10 +395,10 @@ class SnapshotWriter:
             item = self._queue.get()
             if item is None:
                 return
-            slot, array = item
+            slot, array, release = item
             try:
                 if self._error is None and not self._aborted:
-                    self._accept(slot, array)
+                    self._accept(slot, array, release)
             except BaseException as e:  # reported to the producer on its next call
                 self._error = e
             finally:
