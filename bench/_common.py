@@ -215,3 +215,14 @@ def run_child(argv: List[str], timeout: float = 900) -> dict:
     result = json.loads(lines[-1])
     result["process_seconds"] = time.perf_counter() - t0
     return result
+
+
+def profile_top(stats, key: str, n: int, digits: int = 3) -> list:
+    """The top ``n`` functions of a ``pstats.Stats`` by ``key``, as JSON-able rows."""
+    stats.sort_stats(key)
+    rows = []
+    for func in stats.fcn_list[:n]:
+        _cc, nc, tt, ct, _ = stats.stats[func]
+        rows.append({"function": f"{Path(func[0]).name}:{func[1]}({func[2]})", "ncalls": nc,
+                     "tottime": round(tt, digits), "cumtime": round(ct, digits)})
+    return rows

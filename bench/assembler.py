@@ -125,16 +125,6 @@ PLAN_STEPS = {  # package / Paddle functions whose cumulative time explains a fi
 }
 
 
-def _top(stats: pstats.Stats, key: str, n: int):
-    stats.sort_stats(key)
-    rows = []
-    for func in stats.fcn_list[:n]:
-        cc, nc, tt, ct, _ = stats.stats[func]
-        rows.append({"function": f"{Path(func[0]).name}:{func[1]}({func[2]})", "ncalls": nc,
-                     "tottime": round(tt, 3), "cumtime": round(ct, 3)})
-    return rows
-
-
 def planner_child(reps: int) -> dict:
     import paddle
 
@@ -238,7 +228,7 @@ def planner_child(reps: int) -> dict:
         "plan_50k_seconds": med("plan_seconds"),
         "replan_50k_seconds": C.median([x for r in runs for x in r["replan_seconds"]]),
         "profiled_plan_seconds": prof_run["plan_seconds"],
-        "plan_profile_top": {"cumulative": _top(st, "cumulative", 8), "tottime": _top(st, "tottime", 8)},
+        "plan_profile_top": {"cumulative": C.profile_top(st, "cumulative", 8), "tottime": C.profile_top(st, "tottime", 8)},
         "plan_profile_steps": steps,
         "plan_profile_file": str(prof_path),
     }

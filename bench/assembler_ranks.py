@@ -173,18 +173,10 @@ def counting_collectives(fn):
 
 
 def top_functions(prof: cProfile.Profile, n: int = 12) -> dict:
-    out = {}
-    for key in ("cumulative", "tottime"):
-        s = io.StringIO()
-        st = pstats.Stats(prof, stream=s)
-        st.sort_stats(key)
-        rows = []
-        for func in st.fcn_list[: n]:
-            cc, nc, tt, ct, _ = st.stats[func]
-            rows.append({"function": f"{Path(func[0]).name}:{func[1]}({func[2]})", "ncalls": nc,
-                         "tottime": round(tt, 4), "cumtime": round(ct, 4)})
-        out[key] = rows
-    return out
+    import _common as C  # bench/ is on sys.path once main() ran
+
+    st = pstats.Stats(prof, stream=io.StringIO())
+    return {key: C.profile_top(st, key, n, digits=4) for key in ("cumulative", "tottime")}
 
 
 def main():

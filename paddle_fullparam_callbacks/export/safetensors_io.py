@@ -70,31 +70,20 @@ def _contiguous_blocks(array: np.ndarray):
         yield np.ascontiguousarray(array[r:r + rows])
 
 
-class _Hasher:
-    """SHA-256 on a thread of its own, fed in order: hashing overlaps the disk writes.
+class _QueueWorker:
+    """A daemon thread that handles queued items in order; ``wait()`` returns once all are done."""
 
-    ``hashlib`` releases the GIL on large buffers, so on two cores this runs beside ``pwrite``.
-    At most ``max_blocks`` blocks wait (each at most a tensor view or an 8 MB copy).
-    """
-
-    def __init__(self, max_blocks: int = 4):
-        self._queue: "queue.Queue" = queue.Queue(maxsize=max_blocks)
+    def __init__(self, name: str, maxsize: int = 0):
+        self._queue: "queue.Queue" = queue.Queue(maxsize=maxsize)
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name="pfc-hash", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def update(self, h, buf) -> None:
-        self._queue.put((h, buf))
+    def _handle(self, item) -> None:
+        raise NotImplementedError
 
-    def after(self, fn) -> None:
-        """Call ``fn`` once every update queued so far is applied (its buffers may then be reused)."""
-        self._queue.put((None, fn))
-
-    def drain(self) -> None:
-        """Wait until every queued update is applied."""
+    def wait(self) -> None:
         self._queue.join()
-        if self._error is not None:
-            raise self._error
 
     def close(self) -> None:
         self._queue.put(None)
@@ -106,64 +95,42 @@ class _Hasher:
             try:
                 if item is None:
                     return
-                if item[0] is None:
-                    item[1]()
-                elif self._error is None:
-                    item[0].update(item[1])
-            except BaseException as e:  # surfaced by drain()
+                self._handle(item)
+            except BaseException as e:  # surfaced by the owner (see drain)
                 self._error = e
             finally:
                 self._queue.task_done()
 
 
-class _Flusher:
-    """Starts writeback early: ``fdatasync`` of a file every ``every`` bytes, on its own thread.
+class _Hasher(_QueueWorker):
+    """SHA-256 on a thread of its own, fed in order: hashing overlaps the disk writes.
 
-    Without it the kernel may hold all of a snapshot's dirty pages until the final fsync (here
-    it starts writing back only at 2.4 GB), which then pays the whole disk time after the CPU
-    work instead of beside it.
+    ``hashlib`` releases the GIL on large buffers, so on two cores this runs beside ``pwrite``.
+    At most ``max_blocks`` blocks wait (each at most a tensor view or an 8 MB copy).
     """
 
-    def __init__(self, every: int = 64 * 2**20):
-        self.every = every
-        self._queue: "queue.Queue" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="pfc-flush", daemon=True)
-        self._thread.start()
+    def __init__(self, max_blocks: int = 4):
+        super().__init__("pfc-hash", maxsize=max_blocks)
 
-    def request(self, fd: int) -> None:
-        self._queue.put(fd)
+    def update(self, h, buf) -> None:
+        self._queue.put((h, buf))
 
-    def wait(self) -> None:
-        self._queue.join()
+    def after(self, fn) -> None:
+        """Call ``fn`` once every update queued so far is applied (its buffers may then be reused)."""
+        self._queue.put((None, fn))
 
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+    def drain(self) -> None:
+        """Wait until every queued update is applied."""
+        self.wait()
+        if self._error is not None:
+            raise self._error
 
-    def _run(self) -> None:
-        while True:
-            fd = self._queue.get()
-            try:
-                if fd is None:
-                    return
-                os.fdatasync(fd)
-            except OSError:
-                pass  # the final fsync reports real errors
-            finally:
-                self._queue.task_done()
-
-
-class _NoFlusher:
-    every = 1 << 62
-
-    def request(self, fd: int) -> None:
-        pass
-
-    def wait(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    def _handle(self, item) -> None:
+        h, payload = item
+        if h is None:
+            payload()
+        elif self._error is None:
+            h.update(payload)
 
 
 class _InlineHasher:
@@ -176,6 +143,41 @@ class _InlineHasher:
         fn()
 
     def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Flusher(_QueueWorker):
+    """Starts writeback early: ``fdatasync`` of a file every ``every`` bytes, on its own thread.
+
+    Without it the kernel may hold all of a snapshot's dirty pages until the final fsync (here
+    it starts writing back only at 2.4 GB), which then pays the whole disk time after the CPU
+    work instead of beside it.
+    """
+
+    def __init__(self, every: int = 64 * 2**20):
+        super().__init__("pfc-flush")
+        self.every = every
+
+    def request(self, fd: int) -> None:
+        self._queue.put(fd)
+
+    def _handle(self, fd) -> None:
+        try:
+            os.fdatasync(fd)
+        except OSError:
+            pass  # the final fsync reports real errors
+
+
+class _NoFlusher:
+    every = 1 << 62
+
+    def request(self, fd: int) -> None:
+        pass
+
+    def wait(self) -> None:
         pass
 
     def close(self) -> None:
