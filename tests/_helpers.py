@@ -96,3 +96,11 @@ def paddle_logits(model, input_ids: np.ndarray) -> np.ndarray:
     elif isinstance(out, (tuple, list)):
         out = out[0]
     return out.numpy()
+
+
+def listing(path) -> list:
+    """Sorted names in ``path``, without the job's lock file (everything else, hidden leftovers
+    such as .tmp-* directories included, is listed)."""
+    import os
+
+    return sorted(p for p in os.listdir(path) if p != ".fullparam.lock")

@@ -17,7 +17,7 @@ from paddle_fullparam_callbacks.export import ExportError, ExportSession, verify
 from paddle_fullparam_callbacks.integrations.model_info import build_model_source  # noqa: E402
 
 from _helpers import (  # noqa: E402
-    assert_bitwise_equal, expected_hf_tensors, official_reader_tensors, paddle_logits, run_hf_client,
+    assert_bitwise_equal, listing, expected_hf_tensors, official_reader_tensors, paddle_logits, run_hf_client,
     snapshot_tensors,
 )
 
@@ -95,7 +95,7 @@ def test_retention_and_latest(tmp_path):
     source = build_model_source(model, cfg)
     for step in (10, 20, 30):
         session.export(source, step)
-    names = sorted(p for p in os.listdir(tmp_path))
+    names = listing(tmp_path)
     assert names == ["hf-step-000020", "hf-step-000030", "latest"]
     assert (tmp_path / "latest").read_text().strip() == "hf-step-000030"
 
@@ -108,7 +108,7 @@ def test_re_export_of_same_step_replaces_atomically(tmp_path):
             p.set_value(p + 1.0)
     second = _export(model, tmp_path, step=5)
     assert first.path == second.path and verify_snapshot(second.path).ok
-    assert sorted(os.listdir(tmp_path)) == ["hf-step-000005", "latest"]
+    assert listing(tmp_path) == ["hf-step-000005", "latest"]
 
 
 @pytest.mark.hf_client
@@ -127,7 +127,7 @@ def test_transformers_loads_snapshot_with_same_logits(tmp_path, hf_python, tied)
 # ---- bad input: one clear error, nothing written ------------------------------------------
 
 def _nothing_written(path):
-    return not path.exists() or [p for p in os.listdir(path) if not p.startswith(".write-probe")] == []
+    return not path.exists() or listing(path) == []
 
 
 def test_unwritable_output_dir_fails_before_any_byte(tmp_path):
@@ -208,7 +208,7 @@ def test_failed_write_leaves_no_snapshot(tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors_io, "_pwrite_all", failing)
     with pytest.raises(ExportError, match="No space left on device"):
         _export(model, tmp_path, step=3)
-    assert sorted(os.listdir(tmp_path)) == []
+    assert listing(tmp_path) == []
 
 
 def test_host_arrays_share_parameter_memory():

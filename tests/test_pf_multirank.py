@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tests" / "multirank"))
 
 import harness  # noqa: E402
 
-from _helpers import LINEAR, snapshot_tensors  # noqa: E402
+from _helpers import LINEAR, listing, snapshot_tensors  # noqa: E402
 from paddle_fullparam_callbacks import verify_snapshot  # noqa: E402
 
 pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
@@ -104,7 +104,7 @@ def test_inconsistent_inputs_fail_on_every_rank_with_one_message(tmp_path):
         assert len(messages) == 1, (case, messages)  # the same message on every rank
         assert text in messages.pop(), case
     # nothing of the failed exports is visible; the good one after them committed
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["hf-step-000008", "latest"]
+    assert listing(tmp_path / "out") == ["hf-step-000008", "latest"]
     assert all(r["good"] == "hf-step-000008" for r in reports)
     assert verify_snapshot(tmp_path / "out" / "hf-step-000008").ok
 
@@ -122,7 +122,7 @@ def test_pure_data_parallel_trainer_two_ranks(tmp_path):
     assert all(r["errors"] == [] and r["num_splits"] == 2 for r in reports)
     assert all(r["files_written_here"][-1] > 0 for r in reports)  # both replicas wrote part of it
     snaps = tmp_path / "snaps"
-    names = sorted(p.name for p in snaps.iterdir())
+    names = listing(snaps)
     assert names[0] == "best" and names[-1] == "latest" and "hf-step-000006" in names and "hf-step-000008" in names
     best = (snaps / "best").read_text().strip()
     losses = {n: json.loads((snaps / n / "fullparam_manifest.json").read_text())["metrics"].get("eval_loss")

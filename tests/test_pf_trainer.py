@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
 from paddle_fullparam_callbacks import ConfigError, FullParamExportCallback, verify_snapshot  # noqa: E402
 from paddle_fullparam_callbacks.cli.demo import make_tiny_llama, make_trainer, trainer_args  # noqa: E402
 
-from _helpers import run_cli  # noqa: E402
+from _helpers import listing, run_cli  # noqa: E402
 
 
 def test_snapshots_at_configured_steps_verify_and_retention(tmp_path):
@@ -26,7 +26,7 @@ def test_snapshots_at_configured_steps_verify_and_retention(tmp_path):
     # every_n_steps at 4, 8, 12; on_save at 6 and 12 (12 once: two triggers, one snapshot)
     assert cb.events == ["every_n_steps@4", "save@6", "every_n_steps@8", "every_n_steps@12"]
     assert [s.step for s in cb.snapshots] == [4, 6, 8, 12] and cb.errors == []
-    kept = sorted(p for p in os.listdir(out))
+    kept = listing(out)
     assert kept == ["hf-step-000008", "hf-step-000012", "latest"]
     assert (out / "latest").read_text().strip() == "hf-step-000012"
     for name in kept[:2]:

@@ -10,6 +10,8 @@ import pytest
 from paddle_fullparam_callbacks import FullParamExportCallback, attach, verify_snapshot
 from paddle_fullparam_callbacks.cli.demo import TokenDataset, make_tiny_llama, make_trainer, trainer_args
 
+from _helpers import listing
+
 pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
 
 
@@ -46,7 +48,7 @@ def test_best_by_metric_keeps_the_right_snapshots(tmp_path):
     assert [s for s, _ in script.seen] == [2, 4, 6, 8, 10]
     assert cb.events == ["evaluate@2", "evaluate@4", "evaluate@6", "evaluate@8", "evaluate@10"]
     # keep_best=2 (0.9 at step 8, 0.5 at step 4) + keep_last=1 (step 10)
-    kept = sorted(p for p in os.listdir(out))
+    kept = listing(out)
     assert kept == ["best", "hf-step-000004", "hf-step-000008", "hf-step-000010", "latest"]
     assert (out / "best").read_text().strip() == "hf-step-000008"
     assert (out / "latest").read_text().strip() == "hf-step-000010"
@@ -69,7 +71,7 @@ def test_metric_of_a_step_exported_earlier_is_attached_to_its_snapshot(tmp_path)
                            eval_dataset=TokenDataset(n=8, seed=1))
     trainer.train()
     assert cb.events == ["every_n_steps@2", "every_n_steps@4", "every_n_steps@6"]
-    assert sorted(os.listdir(out)) == ["best", "hf-step-000004", "hf-step-000006", "latest"]
+    assert listing(out) == ["best", "hf-step-000004", "hf-step-000006", "latest"]
     assert (out / "best").read_text().strip() == "hf-step-000004"
 
 

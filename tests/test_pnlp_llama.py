@@ -16,7 +16,7 @@ from paddle_fullparam_callbacks.export import ExportSession  # noqa: E402
 from paddle_fullparam_callbacks.integrations.model_info import build_model_source  # noqa: E402
 
 from _helpers import (  # noqa: E402
-    assert_bitwise_equal, expected_hf_tensors, paddle_logits, run_hf_client, snapshot_tensors,
+    assert_bitwise_equal, listing, expected_hf_tensors, paddle_logits, run_hf_client, snapshot_tensors,
 )
 
 
@@ -63,7 +63,7 @@ def test_callback_in_paddlenlp_trainer(tmp_path):
     args = trainer_args("paddlenlp", str(tmp_path / "trainer"), 12, save_steps=6)
     make_trainer("paddlenlp", model, args, [cb]).train()
     assert cb.events == ["every_n_steps@5", "save@6", "every_n_steps@10", "save@12"] and cb.errors == []
-    assert sorted(os.listdir(out)) == ["hf-step-000010", "hf-step-000012", "latest"]
+    assert listing(out) == ["hf-step-000010", "hf-step-000012", "latest"]
     for name in ("hf-step-000010", "hf-step-000012"):
         assert verify_snapshot(out / name).ok
     got = snapshot_tensors(out / "hf-step-000012")
@@ -100,6 +100,6 @@ def test_best_by_metric_in_paddlenlp_trainer(tmp_path):
                            eval_dataset=TokenDataset(n=8, seed=1))
     trainer.train()
     assert cb.events == ["evaluate@2", "evaluate@4", "evaluate@6", "evaluate@8"] and cb.errors == []
-    assert sorted(os.listdir(out)) == ["best", "hf-step-000004", "hf-step-000008", "latest"]
+    assert listing(out) == ["best", "hf-step-000004", "hf-step-000008", "latest"]
     assert (out / "best").read_text().strip() == "hf-step-000004"
     assert verify_snapshot(out / "hf-step-000004").ok

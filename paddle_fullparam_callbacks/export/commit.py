@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,72 @@ def check_output_dir(output_dir: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise PermissionError(f"output_dir {str(output_dir)!r} is not writable: {e.strerror or e}") from e
+
+
+LOCK = ".fullparam.lock"
+
+
+class OutputDirLocked(RuntimeError):
+    """Another live job exports into the same output_dir."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def acquire_lock(output_dir: Path) -> Path:
+    """Take ``<output_dir>/.fullparam.lock`` (host, pid) for this process, or fail fast.
+
+    A lock left by a dead process on this host is taken over; a lock of a live process, or of
+    another host (whose processes we cannot see), is an error naming its holder. Re-entrant
+    within one process. Released by :func:`release_lock` (the session registers it at exit).
+    """
+    import socket
+
+    path = Path(output_dir) / LOCK
+    me = {"host": socket.gethostname(), "pid": os.getpid()}
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(path.read_text())
+            except (OSError, ValueError):
+                holder = {}
+            if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
+                return path
+            if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
+                path.unlink(missing_ok=True)  # stale: its process is gone
+                continue
+            if not holder:
+                raise OutputDirLocked(f"output_dir {str(output_dir)!r} has an unreadable lock {path}; remove it if no job uses the directory")
+            raise OutputDirLocked(
+                f"output_dir {str(output_dir)!r} is in use by another job (host {holder.get('host')}, pid "
+                f"{holder.get('pid')}, since {holder.get('since', '?')}); give this job its own output_dir, or "
+                f"remove {path} if that job is dead"
+            )
+        with os.fdopen(fd, "w") as f:
+            json.dump({**me, "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return path
+    raise OutputDirLocked(f"could not take the lock {path}")
+
+
+def release_lock(output_dir: Path) -> None:
+    path = Path(output_dir) / LOCK
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if holder.get("pid") == os.getpid():
+        path.unlink(missing_ok=True)
 
 
 def new_staging_dir(output_dir: Path, name: str) -> Path:

@@ -165,12 +165,16 @@ class ExportSession:
         if self.ctx.is_coordinator and self.config.export.format != "callable":
             try:
                 commit.check_output_dir(self.output_dir)
+                # one job per output_dir: only then are leftovers surely ours to remove
+                commit.acquire_lock(self.output_dir)
+                atexit.register(commit.release_lock, self.output_dir)
                 removed = commit.cleanup_stale(self.output_dir)
-            except OSError as e:
-                error = str(e)
+            except (OSError, commit.OutputDirLocked) as e:
+                error = (type(e).__name__, str(e))
         errors = [e for e in self.ctx.all_gather_object(error) if e]
         if errors:
-            raise OSError(errors[0])
+            kind, message = errors[0]
+            raise (commit.OutputDirLocked if kind == "OutputDirLocked" else OSError)(message)
         if removed:
             logger.info("removed %d leftover(s) of interrupted exports in %s: %s", len(removed), self.output_dir, removed)
         return removed

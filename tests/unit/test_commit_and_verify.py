@@ -145,3 +145,30 @@ def test_verify_manifest_missing(snap):
     (snap / commit.MANIFEST).unlink()
     r = verify_snapshot(snap)
     assert not r.ok and any("fullparam_manifest.json: missing" in e for e in r.errors)
+
+
+# ---- one job per output_dir ------------------------------------------------------------------
+
+def test_a_second_job_on_the_same_output_dir_fails_fast(tmp_path):
+    import subprocess
+    import sys
+
+    # another live process holds the lock (it waits on its stdin, no sleep)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from paddle_fullparam_callbacks.export import commit; "
+                               f"commit.acquire_lock(__import__('pathlib').Path({str(tmp_path)!r})); print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        leftover = commit.new_staging_dir(tmp_path, "hf-step-000001")  # the other job's export in flight
+        with pytest.raises(commit.OutputDirLocked, match=rf"in use by another job \(host .*, pid {holder.pid}"):
+            commit.acquire_lock(tmp_path)
+        assert leftover.exists()  # nothing of the other job was touched
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    # the holder is gone: its stale lock is taken over
+    assert commit.acquire_lock(tmp_path) == tmp_path / commit.LOCK
+    assert commit.acquire_lock(tmp_path) == tmp_path / commit.LOCK  # re-entrant in one process
+    commit.release_lock(tmp_path)
+    assert not (tmp_path / commit.LOCK).exists()
