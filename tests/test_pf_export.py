@@ -133,7 +133,6 @@ def _nothing_written(path):
 def test_unwritable_output_dir_fails_before_any_byte(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    model = make_tiny_llama(seed=1)
     cfg = load_config(None, [f"output_dir={blocker / 'snapshots'}"])
     with pytest.raises(OSError, match="output_dir .* cannot be created"):
         ExportSession(cfg, cfg.output_dir).start()

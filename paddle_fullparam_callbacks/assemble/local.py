@@ -46,7 +46,7 @@ def slice_of(tensor, offset: Sequence[int], shape: Sequence[int]):
     return tensor[index]
 
 
-def assemble_destination(name: str, dmap: DestinationMap, source_slice) -> "paddle.Tensor":
+def assemble_destination(name: str, dmap: DestinationMap, source_slice):
     """Build destination ``name`` from its mapping entries.
 
     ``source_slice(desc)`` returns the source tensor region described by a ShardedWeightDesc

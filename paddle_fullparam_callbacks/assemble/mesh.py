@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Sequence, Tuple
 
 import numpy as np
 
@@ -309,7 +309,6 @@ class MeshAssembler:
 
         buf = self._pack(rnd.items.get(self.rank, []), rnd.width)
         rows = self.mesh.rows
-        h = rows[0].index(self.rank) if len(rows) == 1 else self.mesh.h_ranks(self.rank).index(self.rank)
         # vertical: my column's buffers, in pipe order
         if len(rows) > 1:
             col: List = []

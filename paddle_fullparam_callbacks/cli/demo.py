@@ -7,7 +7,6 @@ The builders here are also what the tests and benchmarks use.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import List, Optional

@@ -7,7 +7,7 @@ so one export flow serves both.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List
 
 from ..plan.topology import Mesh, TopologyPlan, plan_topology
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import time
-from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import Dict, Iterable

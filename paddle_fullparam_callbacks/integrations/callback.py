@@ -16,10 +16,9 @@ or from a recipe::
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
 from ..config.recipes import coerce_config
 from ..config.schema import FullParamConfig

@@ -8,7 +8,7 @@ never inside an export.
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Optional
 
 from ..export.distributed import DistContext, LocalContext
 from ..plan.topology import TopologyPlan, plan_topology

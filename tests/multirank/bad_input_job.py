@@ -22,7 +22,6 @@ def main():
     ap.add_argument("--out", required=True)
     ns = ap.parse_args()
 
-    import paddle
     import paddle.distributed as dist
 
     from paddle_fullparam_callbacks.config import load_config
