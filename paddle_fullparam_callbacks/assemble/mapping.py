@@ -96,6 +96,7 @@ def build_destination_map(shard_info: Dict[str, list], aoa_config: Optional[dict
     except (AssertionError, ValueError, KeyError, SyntaxError, RuntimeError) as e:
         raise MappingError(f"the name mapping (aoa) does not apply to this model: {e}") from e
 
+    _check_single_writer(engine)
     specs, entries = [], {}
     for name, desc in engine.output_vars.items():
         if desc is None:
@@ -113,6 +114,28 @@ def build_destination_map(shard_info: Dict[str, list], aoa_config: Optional[dict
     if not specs:
         raise MappingError("the name mapping produced no destination tensors")
     return DestinationMap(specs, entries, aoa_config)
+
+
+def _check_single_writer(engine) -> None:
+    """A name produced by two statements would silently keep only the last one (AOAEngine
+    overwrites it): refuse the mapping instead."""
+    from collections import Counter
+
+    produced = Counter()
+    for stmt in engine.statements:
+        left, right = stmt.left_vars, stmt.right_vars
+        if engine.aoa_config_reverse:
+            left, right = right, left
+        for var in right:
+            if var.name != "_":
+                produced[var.name] += 1
+    twice = sorted(n for n, c in produced.items() if c > 1)
+    if twice:
+        more = f" and {len(twice) - 3} more" if len(twice) > 3 else ""
+        raise MappingError(
+            f"the name mapping writes {twice[:3]}{more} more than once (each destination must come from one "
+            "statement; use a concat statement, e.g. 'a, b -> c, axis=0', to combine sources)"
+        )
 
 
 def _check_coverage(name: str, shape: tuple, mapping: list) -> None:
