@@ -9,12 +9,13 @@ define install
 	log=$$(mktemp); $(1) -m pip install -q --no-deps -e . >$$log 2>&1 || { cat $$log; rm -f $$log; exit 1; }; rm -f $$log
 endef
 
-.PHONY: help demo test test-paddleformers test-paddlenlp bench python-path envs clean
+.PHONY: help demo test test-paddleformers test-paddlenlp bench faults python-path envs clean
 
 help:
 	@echo "make demo         train a tiny Llama on CPU with the PaddleFormers Trainer, exporting HF snapshots"
 	@echo "make test         the whole suite: PaddleFormers env, then PaddleNLP env (real client checks included)"
 	@echo "make bench        benchmarks (results in bench/results/*.json)"
+	@echo "make faults       the long crash loop and bad-input count (bench/results/faults.json)"
 	@echo "make python-path  print the main environment's python (creates it if needed)"
 
 python-path:
@@ -42,6 +43,10 @@ test-paddlenlp:
 bench:
 	@PY=$$($(ENV) paddleformers); $(call install,$$PY); \
 	$$PY bench/export_single.py && $$PY bench/assembler.py && $$PY bench/async_stall.py
+
+faults:
+	@PY=$$($(ENV) paddleformers); $(call install,$$PY); \
+	$$PY tests/faults/crash_loop.py --long
 
 clean:
 	rm -rf demo_output .pytest_cache .hypothesis *.egg-info

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional
 
+from .. import _faults
+
 MANIFEST = "fullparam_manifest.json"
 INDEX = "model.safetensors.index.json"
 POINTERS = ("latest", "best")
@@ -138,15 +140,43 @@ def commit_staging(staging: Path, output_dir: Path, name: str) -> Path:
     final = output_dir / name
     displaced = None
     if final.exists():
-        # re-export of the same step (e.g. after a resume): move the old one aside first;
-        # cleanup_stale() puts it back if we crash before the new one is in place
+        # re-export of the same step (e.g. after a resume): swap the two directories in one
+        # atomic step, so that `latest`/`best` never point at a missing snapshot
+        if _exchange(staging, final):
+            _faults.point("replace")
+            fsync_dir(output_dir)
+            shutil.rmtree(staging, ignore_errors=True)  # the old snapshot, now at the staging name
+            return final
+        # no renameat2 here: move the old one aside first; cleanup_stale() puts it back if we
+        # crash before the new one is in place (a pointer may name a missing directory meanwhile)
         displaced = output_dir / f"{_REPLACED}{name}-{uuid.uuid4().hex[:8]}"
         os.rename(final, displaced)
+        _faults.point("replace")
     os.rename(staging, final)
     fsync_dir(output_dir)
     if displaced is not None:
         shutil.rmtree(displaced, ignore_errors=True)
     return final
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    rc = renameat2(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), rename_exchange)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL / ENOSYS / EOPNOTSUPP: the filesystem or kernel cannot
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def remove_tree(path: Path) -> None:
@@ -155,6 +185,7 @@ def remove_tree(path: Path) -> None:
         return
     trash = path.parent / f"{_TRASH}{path.name}-{uuid.uuid4().hex[:8]}"
     os.rename(path, trash)
+    _faults.point("delete")
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -164,6 +195,7 @@ def write_pointer(output_dir: Path, pointer: str, name: str) -> None:
         f.write(name + "\n")
         f.flush()
         os.fsync(f.fileno())
+    _faults.point("pointer")
     os.replace(tmp, output_dir / pointer)
     fsync_dir(output_dir)
 

@@ -41,6 +41,7 @@ from ..config.schema import FullParamConfig
 from ..plan.export_plan import ExportPlan, build_export_plan
 from ..plan.naming import format_snapshot_name, snapshot_step_pattern
 from ..plan.topology import WritePlan, plan_writes
+from .. import _faults
 from . import commit
 from .distributed import LocalContext
 from .exporters import Exporter, make_exporter
@@ -186,6 +187,7 @@ class ExportSession:
         A collective on every rank (cheap when nothing changed: one digest exchange).
         """
         ctx = self.ctx
+        _faults.point("plan")
         sd = source.sharded_state_dict() if sharded_state_dict is None else sharded_state_dict
         local = records_from_state_dict(ctx.rank, sd)
         sig = _digest(sorted((r.key, r.offset, r.shape, r.global_shape, r.dtype) for r in local))
@@ -309,6 +311,7 @@ class ExportSession:
         first = ctx.all_gather_object((str(staging) if staging else None, error))[ctx.coordinator]
         if first[1]:
             raise ExportError(f"export of step {step} to {out_dir / name} failed: {first[1]}")
+        _faults.point("staging")
         job = _Job(name, step, reason, metrics, p, Path(first[0]) if first[0] else None, exporter, source,
                    len(keep), t0, time.perf_counter(), out_dir=out_dir, pointers=into is None)
 
@@ -321,6 +324,7 @@ class ExportSession:
                     try:
                         exporter.write(tname, tensor)
                         job.seen += 1
+                        _faults.point("tensor")
                         progress.update(p.plan.slots[tname].nbytes)
                     except Exception as e:
                         job.error = f"{type(e).__name__}: {e}"
@@ -389,6 +393,7 @@ class ExportSession:
         manifest = json.loads(path.read_text())
         manifest["metrics"] = {**(manifest.get("metrics") or {}), **clean_metrics(metrics)}
         tmp = path.with_name(f".{commit.MANIFEST}.tmp")
+        _faults.point("annotate")
         commit.write_json_durable(tmp, manifest)
         os.replace(tmp, path)
         commit.fsync_dir(path.parent)
@@ -426,6 +431,7 @@ class ExportSession:
         """This rank's files: wait for the writer, fsync, sizes and sha256 (or abort on error)."""
         if job.error is None:
             try:
+                _faults.point("finish")
                 job.files = job.exporter.finish()
                 if job.seen != job.expected:
                     job.error = f"rank {self.ctx.rank} received {job.seen} of its {job.expected} tensors"
@@ -479,6 +485,7 @@ class ExportSession:
 
     def _commit(self, job: "_Job", files, timings) -> None:
         staging, name, p, source = job.staging, job.name, job.p, job.source
+        _faults.point("side_files")
         extra = self._write_side_files(staging, source, p.plan)
         topo = self.ctx.topology
         manifest = build_manifest(
@@ -491,8 +498,11 @@ class ExportSession:
                 "assembler": self.config.assembler,
             },
         )
+        _faults.point("manifest")
         commit.write_json_durable(staging / commit.MANIFEST, manifest)
+        _faults.point("rename")
         commit.commit_staging(staging, job.out_dir, name)
+        _faults.point("latest")
         if not job.pointers:
             return
         commit.write_pointer(self.output_dir, "latest", name)
@@ -501,7 +511,9 @@ class ExportSession:
     def _after_commit(self, name: str) -> None:
         """Point ``best`` at the best snapshot by the tracked metric, then apply retention."""
         ret = self.config.retention
+        _faults.point("best")
         commit.update_best(self.output_dir, self.pattern, ret.metric, ret.mode)
+        _faults.point("retention")
         removed = commit.apply_retention(self.output_dir, self.pattern, ret.keep_last, protect=[name],
                                          keep_best=ret.keep_best, metric=ret.metric, mode=ret.mode)
         if removed:

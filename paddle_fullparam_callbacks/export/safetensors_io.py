@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import _dtypes
 from ..plan.export_plan import ExportPlan, ShardFile, TensorSlot
+from .. import _faults
 from .commit import fsync_dir
 
 _MAX_HEADER = 100 * 2**20  # same bound as the safetensors library
@@ -211,6 +212,7 @@ class _FileState:
         """Write ``array`` at its slot; a strided view (e.g. a transpose) is copied block by block."""
         offset = self.base + slot.begin
         for block in _contiguous_blocks(array):
+            _faults.point("block")
             buf = _dtypes.as_bytes_view(block)
             _pwrite_all(self.fd, buf, offset)
             if hash_it:

@@ -1,0 +1,20 @@
+"""Fault injection for the crash tests: ``PFC_FAULT_POINT=name[@n]`` kills this process with
+SIGKILL the n-th time (default 1st) it reaches ``point(name)``. Unset (always, outside tests) it
+costs one dict lookup; nothing else reads it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+_SPEC = os.environ.get("PFC_FAULT_POINT") or None
+_NAME, _, _NTH = (_SPEC or "").partition("@")
+_COUNT = {"n": 0}
+
+
+def point(name: str) -> None:
+    if _SPEC is None or name != _NAME:
+        return
+    _COUNT["n"] += 1
+    if _COUNT["n"] == int(_NTH or 1):
+        os.kill(os.getpid(), signal.SIGKILL)

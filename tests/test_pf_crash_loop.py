@@ -1,0 +1,24 @@
+"""Crash safety: SIGKILL at 25 named points (planning, assembly, writing, commit, pointers,
+retention, replacement), restart after each; no partial snapshot is ever visible, nothing
+committed is damaged, the restart cleans up and exports normally. (`make faults`: longer.)"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "faults"))
+
+import crash_loop  # noqa: E402
+
+pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
+
+
+def test_crash_loop(tmp_path):
+    stats = crash_loop.run(crash_loop.POINTS, tmp_path / "out")
+    assert stats["violations"] == []
+    assert stats["kills"] >= 20, (stats["killed_at"], stats["not_reached"])
+    assert stats["partial_snapshots_visible"] == 0 and stats["committed_snapshots_damaged"] == 0
+    assert stats["final_exit"] == 0 and stats["leftovers_after_restart"] == []
+    assert len(stats["final_snapshots"]) >= 2  # keep_last=2 (+ keep_best=1)
