@@ -18,10 +18,10 @@ from paddle_fullparam_callbacks.plan.naming import snapshot_step_pattern
 PATTERN = snapshot_step_pattern("hf-step-{step:06d}")
 
 
-def make_snapshot(output_dir: Path, step: int, n: int = 6) -> Path:
+def make_snapshot(output_dir: Path, step: int, n: int = 6, shard: int = 200) -> Path:
     """A real committed snapshot: shards through the writer, index, manifest last, rename."""
     specs = [TensorSpec(f"layers.{i}.w", (4, 8), "float32") for i in range(n)]
-    plan = build_export_plan(specs, 200)
+    plan = build_export_plan(specs, shard)
     staging = commit.new_staging_dir(output_dir, f"hf-step-{step:06d}")
     w = SnapshotWriter(plan, staging)
     for s in specs:
@@ -172,3 +172,31 @@ def test_a_second_job_on_the_same_output_dir_fails_fast(tmp_path):
     assert commit.acquire_lock(tmp_path) == tmp_path / commit.LOCK  # re-entrant in one process
     commit.release_lock(tmp_path)
     assert not (tmp_path / commit.LOCK).exists()
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("overlap", "overlaps the tensor before it"),
+    ("past_end", "runs past the end of the file"),
+])
+def test_verify_bad_header_offsets(tmp_path, damage, message):
+    snap = make_snapshot(tmp_path, 7, shard=10_000)  # one file holding all six tensors
+    p = _shards(snap)[0]
+    raw = p.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    names = [k for k in header if k != "__metadata__"]
+    first = header[names[0]]
+    assert len(names) == 6
+    if damage == "overlap":
+        second = header[names[1]]
+        shift = second["data_offsets"][0] - first["data_offsets"][0]
+        second["data_offsets"] = [second["data_offsets"][0] - shift // 2, second["data_offsets"][1] - shift // 2]
+    else:  # the last tensor claims 4 KB more than the file holds
+        last = max((header[k] for k in names), key=lambda e: e["data_offsets"][1])
+        last["data_offsets"] = [last["data_offsets"][0], last["data_offsets"][1] + 4096]
+        last["shape"] = [last["shape"][0] + 4096 // (4 * last["shape"][1]), last["shape"][1]]
+    text = json.dumps(header).encode()
+    text += b" " * ((-len(text)) % 8)
+    p.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    errors = verify_snapshot(snap).errors
+    assert any(p.name in e and message in e for e in errors), errors
