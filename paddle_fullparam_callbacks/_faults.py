@@ -1,6 +1,7 @@
 """Fault injection for the crash tests: ``PFC_FAULT_POINT=name[@n]`` kills this process with
-SIGKILL the n-th time (default 1st) it reaches ``point(name)``. Unset (always, outside tests) it
-costs one dict lookup; nothing else reads it.
+SIGKILL the n-th time (default 1st) it reaches ``point(name)``; with ``PFC_FAULT_RANK=r`` only on
+rank r of a launched job (``PADDLE_TRAINER_ID``). Unset (always, outside tests) it costs one
+comparison; nothing else reads it.
 """
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import signal
 
 _SPEC = os.environ.get("PFC_FAULT_POINT") or None
+if _SPEC and os.environ.get("PFC_FAULT_RANK") not in (None, os.environ.get("PADDLE_TRAINER_ID", "0")):
+    _SPEC = None  # the fault is meant for another rank
 _NAME, _, _NTH = (_SPEC or "").partition("@")
 _COUNT = {"n": 0}
 
