@@ -46,7 +46,7 @@ def test_snapshots_at_configured_steps_verify_and_retention(tmp_path):
 
 
 def test_bad_recipe_fails_at_construction(tmp_path):
-    with pytest.raises(ConfigError, match=r"trigger.every_n_steps: must be a whole number >= 0"):
+    with pytest.raises(ConfigError, match=r"trigger.every_n_steps: must be a whole number >= 1"):
         FullParamExportCallback(None, overrides=["trigger.every_n_steps=-5"])
 
 

@@ -41,8 +41,8 @@ def _check_size(key: str, value: Any) -> int:
 class TriggerConfig:
     """When a snapshot is taken. Several triggers on the same step make one snapshot."""
 
-    every_n_steps: int = 0
-    """Export every N optimizer steps; 0 turns this trigger off."""
+    every_n_steps: Optional[int] = None
+    """Export every N optimizer steps (N >= 1); unset (null) turns this trigger off."""
     on_save: bool = True
     """Export when the trainer saves a checkpoint."""
     on_evaluate: bool = False
@@ -53,10 +53,11 @@ class TriggerConfig:
     """Skip an export that would start sooner than this after the previous one (train_end never skips)."""
 
     def __post_init__(self):
-        if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 0:
+        n = self.every_n_steps
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ConfigError(
                 "trigger.every_n_steps",
-                f"must be a whole number >= 0 (0 = off); got {self.every_n_steps!r}",
+                f"must be a whole number >= 1 (leave it unset, or null, to turn this trigger off); got {n!r}",
             )
         if isinstance(self.min_interval_s, bool) or not isinstance(self.min_interval_s, (int, float)) or self.min_interval_s < 0:
             raise ConfigError("trigger.min_interval_s", f"must be a number of seconds >= 0; got {self.min_interval_s!r}")

@@ -31,7 +31,8 @@ BAD = {
     "string-for-int": (None, ["trigger.every_n_steps=abc"], "trigger.every_n_steps", r"'abc'.*Integer"),
     "float-for-int": (None, ["retention.keep_last=1.5"], "retention.keep_last", r"'1\.5'.*Integer"),
     "string-for-bool": (None, ["enabled=maybe"], "enabled", r"'maybe' is not a valid bool"),
-    "negative-every_n_steps": (None, ["trigger.every_n_steps=-1"], "trigger.every_n_steps", r">= 0 .*got -1"),
+    "negative-every_n_steps": (None, ["trigger.every_n_steps=-1"], "trigger.every_n_steps", r">= 1 .*got -1"),
+    "zero-every_n_steps": (None, ["trigger.every_n_steps=0"], "trigger.every_n_steps", r">= 1 \(leave it unset, or null, to turn this trigger off\); got 0"),
     "negative-keep_last": (None, ["retention.keep_last=-2"], "retention.keep_last", r">= 0 .*got -2"),
     "size-bad-unit": (None, ["export.max_shard_size=5XB"], "export.max_shard_size", r"not a size: '5XB'"),
     "size-empty": (None, ["export.max_shard_size="], "export.max_shard_size", r"None"),
@@ -101,7 +102,7 @@ def test_defaults():
     assert cfg == FullParamConfig()
     assert cfg.export.max_shard_bytes == 5 * 10**9
     assert cfg.export.max_pending == 512 * 10**6
-    assert cfg.trigger.every_n_steps == 0 and cfg.retention.keep_last == 0
+    assert cfg.trigger.every_n_steps is None and cfg.retention.keep_last == 0
 
 
 def test_recipe_file_merged_with_overrides(tmp_path):
@@ -173,7 +174,7 @@ def test_coerce_config_from_object_with_overrides():
     assert cfg.trigger.every_n_steps == 9 and cfg.export.dtype == "bfloat16"
     assert cfg.retention.keep_last == 1
     assert base.trigger.every_n_steps == 4  # the input is not modified
-    with pytest.raises(ConfigError, match=r">= 0") as info:
+    with pytest.raises(ConfigError, match=r">= 1") as info:
         coerce_config(base, ["trigger.every_n_steps=-1"])
     assert info.value.key == "trigger.every_n_steps"
     with pytest.raises(ConfigError) as info:
