@@ -83,6 +83,7 @@ def load_config(
             layers.append(OmegaConf.from_dotlist(list(overrides)))
         for layer in layers[1:]:
             _reject_interpolations(layer)
+            _check_sections(layer)
         merged = OmegaConf.merge(*layers)
         return OmegaConf.to_object(merged)
     except ConfigError:
@@ -93,6 +94,17 @@ def load_config(
         if "not in" in reason or "Key '" in reason and "not" in reason:
             reason = f"unknown key ({reason})"
         raise ConfigError(str(key), reason) from e
+
+
+def _check_sections(layer) -> None:
+    """A section (trigger, export, ...) given a plain value: omegaconf's error names no key."""
+    import dataclasses
+
+    sections = {f.name for f in dataclasses.fields(FullParamConfig)
+                if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
+    for key in layer:
+        if key in sections and not OmegaConf.is_dict(layer._get_node(key)):
+            raise ConfigError(str(key), f"is a section of keys, not a value; set its keys, e.g. {key}.<key>=...")
 
 
 def _reject_interpolations(node, prefix: str = "") -> None:

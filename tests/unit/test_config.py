@@ -224,8 +224,7 @@ def test_parse_size_decimal_is_exact():
     assert parse_size("1.001GB") == 1_001_000_000
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a scalar for a section is reported under key 'recipe'")
 def test_scalar_for_section_names_the_section():
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ConfigError, match=r"trigger: is a section of keys, not a value") as info:
         load_config(None, ["trigger=5"])
     assert info.value.key == "trigger"
