@@ -157,6 +157,11 @@ def _check_coverage(name: str, shape: tuple, mapping: list) -> None:
     )
 
 
+def boxes_intersect(a_off, a_shape, b_off, b_shape) -> bool:
+    """Whether two boxes (offset, shape) share an element."""
+    return all(max(x, y) < min(x + n, y + m) for x, n, y, m in zip(a_off, a_shape, b_off, b_shape))
+
+
 def _overlaps(mapping: list) -> bool:
     boxes = [(e.target_slice.global_offset, e.target_slice.local_shape) for e in mapping]
     if len(boxes) < 2:
@@ -166,8 +171,7 @@ def _overlaps(mapping: list) -> bool:
     window = len(boxes) if len(boxes) <= 256 else 64
     for i in range(len(boxes)):
         for j in range(i + 1, min(len(boxes), i + window)):
-            (oa, sa), (ob, sb) = boxes[i], boxes[j]
-            if all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(oa, sa, ob, sb)):
+            if boxes_intersect(*boxes[i], *boxes[j]):
                 return True
     return False
 

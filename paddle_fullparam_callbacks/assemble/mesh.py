@@ -32,7 +32,7 @@ import numpy as np
 from .. import _dtypes
 from ..plan.topology import Mesh
 from .local import assemble_destination, cast_for_export
-from .mapping import DestinationMap, MappingError
+from .mapping import DestinationMap, MappingError, boxes_intersect
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def validate_records(records: Sequence[ShardRecord]) -> None:
         boxes = list(slices.values())
         for i, a in enumerate(boxes):
             for b in boxes[i + 1:]:
-                if _intersects(a.offset, a.shape, b.offset, b.shape):
+                if boxes_intersect(a.offset, a.shape, b.offset, b.shape):
                     raise MappingError(
                         f"parameter {key!r}: rank {a.rank} holds {list(a.shape)} at {list(a.offset)} and rank {b.rank} "
                         f"holds {list(b.shape)} at {list(b.offset)}; the slices overlap without being replicas"
@@ -151,10 +151,6 @@ def _to_paddle(arr: np.ndarray, dtype: str):
     return paddle.from_dlpack(arr)
 
 
-def _intersects(a_off, a_shape, b_off, b_shape) -> bool:
-    return all(max(x, y) < min(x + n, y + m) for x, n, y, m in zip(a_off, a_shape, b_off, b_shape))
-
-
 def plan_read_items(records: Sequence[ShardRecord], dmap: DestinationMap, targets: Sequence[str]) -> List[ReadItem]:
     """The slices the mesh must move to assemble ``targets``, ordered by first use.
 
@@ -174,7 +170,7 @@ def plan_read_items(records: Sequence[ShardRecord], dmap: DestinationMap, target
             if not slices:
                 raise MappingError(f"destination {name!r} needs {src.key!r}, which no rank of the mesh holds")
             for (off, shape), holders in sorted(slices.items()):
-                if not _intersects(off, shape, src.global_offset, src.local_shape):
+                if not boxes_intersect(off, shape, src.global_offset, src.local_shape):
                     continue
                 ident = (src.key, off, shape)
                 item = index.get(ident)
@@ -374,7 +370,7 @@ class MeshAssembler:
         out = np.empty(desc.local_shape, dtype=dt.np_storage)
         filled = np.zeros(desc.local_shape, dtype=bool)
         for it in self._items_by_key.get(desc.key, ()):
-            if it.id not in self._store or not _intersects(it.offset, it.shape, desc.global_offset, desc.local_shape):
+            if it.id not in self._store or not boxes_intersect(it.offset, it.shape, desc.global_offset, desc.local_shape):
                 continue
             lo = [max(a, b) for a, b in zip(it.offset, desc.global_offset)]
             hi = [min(a + n, b + m) for a, n, b, m in zip(it.offset, it.shape, desc.global_offset, desc.local_shape)]

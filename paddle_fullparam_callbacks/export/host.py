@@ -37,6 +37,14 @@ def to_host_array(tensor) -> np.ndarray:
     return arr
 
 
+def _memory_order(array: np.ndarray):
+    """(axes ordered by decreasing stride, the permutation back): ``array.transpose(order)`` walks
+    the memory in order, ``.transpose(inverse)`` of that gives ``array``'s view again."""
+    order = tuple(sorted(range(array.ndim), key=lambda i: -abs(array.strides[i])))
+    inverse = tuple(int(i) for i in np.argsort(order)) if order else ()
+    return order, inverse
+
+
 def detached_copy(array: np.ndarray) -> np.ndarray:
     """A private copy of ``array``'s values, made as cheaply as possible.
 
@@ -51,11 +59,10 @@ def detached_copy(array: np.ndarray) -> np.ndarray:
     """
     if array.flags.c_contiguous or array.ndim < 2:
         return np.array(array, copy=True, order="C")
-    order = sorted(range(array.ndim), key=lambda i: -abs(array.strides[i]))
+    order, inverse = _memory_order(array)
     in_memory_order = array.transpose(order)
     if not in_memory_order.flags.c_contiguous:
         return np.array(array, copy=True, order="C")
-    inverse = np.argsort(order)
     return np.array(in_memory_order, copy=True, order="C").transpose(inverse)
 
 
@@ -124,9 +131,8 @@ class HostRing:
         view, token = self.alloc(array.nbytes)
         if view is None:
             return None, None
-        order = sorted(range(array.ndim), key=lambda i: -abs(array.strides[i])) if array.ndim else []
-        src = array.transpose(order) if array.ndim else array
+        order, inverse = _memory_order(array)
+        src = array.transpose(order)
         dest = view.view(array.dtype).reshape(src.shape)
         np.copyto(dest, src)
-        out = dest.transpose(np.argsort(order)) if array.ndim else dest
-        return out, (lambda: self.free(token))
+        return dest.transpose(inverse), (lambda: self.free(token))
