@@ -46,7 +46,7 @@ def test_round_trip_bitwise(tmp_path, tied, dtype):
         official = official_reader_tensors(info.path)
         assert_bitwise_equal(official, got)
     cfg = json.loads((info.path / "config.json").read_text())
-    assert cfg["torch_dtype"] == dtype and cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["dtype"] == dtype and "torch_dtype" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"]
     assert cfg["tie_word_embeddings"] is tied
     index = json.loads((info.path / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(got)

@@ -8,7 +8,7 @@ unchanged (see :func:`source_signature`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from .. import _dtypes
@@ -68,6 +68,8 @@ class DestinationMap:
     specs: List[TensorSpec]
     entries: Dict[str, list]  # name -> [ShardMappingEntry]
     aoa_config: Optional[dict]
+    passthrough: List[str] = field(default_factory=list)  # sources exported under their own name
+    transformed: List[str] = field(default_factory=list)  # sources some statement read
 
     def __post_init__(self):
         self.spec_by_name: Dict[str, TensorSpec] = {s.name: s for s in self.specs}
@@ -96,7 +98,7 @@ def build_destination_map(shard_info: Dict[str, list], aoa_config: Optional[dict
     except (AssertionError, ValueError, KeyError, SyntaxError, RuntimeError) as e:
         raise MappingError(f"the name mapping (aoa) does not apply to this model: {e}") from e
 
-    _check_single_writer(engine)
+    _check_no_lost_writes(engine)
     specs, entries = [], {}
     for name, desc in engine.output_vars.items():
         if desc is None:
@@ -113,29 +115,49 @@ def build_destination_map(shard_info: Dict[str, list], aoa_config: Optional[dict
         entries[name] = mapping
     if not specs:
         raise MappingError("the name mapping produced no destination tensors")
-    return DestinationMap(specs, entries, aoa_config)
+    transformed = sorted({n for reads, _ in _statement_flow(engine) for n in reads if n in engine.input_vars})
+    return DestinationMap(specs, entries, aoa_config, passthrough_names(engine), transformed)
 
 
-def _check_single_writer(engine) -> None:
-    """A name produced by two statements would silently keep only the last one (AOAEngine
-    overwrites it): refuse the mapping instead."""
-    from collections import Counter
-
-    produced = Counter()
+def _statement_flow(engine):
+    """(read names, written names) of each statement, in the order AOAEngine runs them."""
     for stmt in engine.statements:
         left, right = stmt.left_vars, stmt.right_vars
         if engine.aoa_config_reverse:
             left, right = right, left
-        for var in right:
-            if var.name != "_":
-                produced[var.name] += 1
-    twice = sorted(n for n, c in produced.items() if c > 1)
-    if twice:
-        more = f" and {len(twice) - 3} more" if len(twice) > 3 else ""
+        yield [v.name for v in left], [v.name for v in right if v.name != "_"]
+
+
+def _check_no_lost_writes(engine) -> None:
+    """Refuse a mapping that replaces a value nobody has read yet: AOAEngine keeps the last write
+    and drops the first silently (two statements producing one destination, or a statement
+    writing over a source tensor before any statement used it).
+
+    Names rewritten *after* being read are fine: multi-step statements (fused q/k/v, gate/up
+    splits, ``^T``) reuse temporary names layer after layer, and only final values are exported.
+    """
+    unread = set(engine.input_vars)  # values not yet read by any statement
+    lost = []
+    for reads, writes in _statement_flow(engine):
+        unread.difference_update(reads)
+        for name in writes:
+            if name in unread:
+                lost.append(name)
+            unread.add(name)
+    if lost:
+        lost = sorted(set(lost))
+        more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
         raise MappingError(
-            f"the name mapping writes {twice[:3]}{more} more than once (each destination must come from one "
-            "statement; use a concat statement, e.g. 'a, b -> c, axis=0', to combine sources)"
+            f"the name mapping writes {lost[:3]}{more} more than once (a second statement replaces a value "
+            "before anything used it, so the first would be lost; each destination must come from one "
+            "statement: use a concat statement, e.g. 'a, b -> c, axis=0', to combine sources)"
         )
+
+
+def passthrough_names(engine) -> List[str]:
+    """Destinations that are source tensors no statement touched (exported under their own name)."""
+    return sorted(n for n, d in engine.output_vars.items()
+                  if d is not None and n in engine.input_vars and n not in engine.intermediate_vars)
 
 
 def _check_coverage(name: str, shape: tuple, mapping: list) -> None:
@@ -174,6 +196,28 @@ def _overlaps(mapping: list) -> bool:
             if boxes_intersect(*boxes[i], *boxes[j]):
                 return True
     return False
+
+
+def padding_destinations(dmap: DestinationMap, padding_rows: Dict[str, int]) -> Dict[str, int]:
+    """Destination -> row, for the sources whose ``padding_rows`` must be exported as zeros.
+
+    Only a destination that is the whole source, unpermuted (a rename, maybe a cast), can take the
+    row as is; any other use of that source is refused rather than exported with the wrong function.
+    """
+    out = {}
+    for key, row in padding_rows.items():
+        users = [n for n, es in dmap.entries.items() if any(e.source_slice.key == key for e in es)]
+        for name in users:
+            es = dmap.entries[name]
+            whole = len(es) == 1 and tuple(es[0].target_slice.local_shape) == tuple(es[0].source_slice.global_shape)
+            permuted = any(str(item).startswith("[") for item in (es[0].postprocess_list or []))
+            if not whole or permuted:
+                raise MappingError(
+                    f"the embedding {key!r} has a padding row ({row}) that must be exported as zeros, but the mapping "
+                    f"reshapes it into {name!r}; map it with a plain rename"
+                )
+            out[name] = row
+    return out
 
 
 def apply_export_dtype(specs: List[TensorSpec], export_dtype: str) -> List[TensorSpec]:

@@ -136,3 +136,12 @@ class HostRing:
         dest = view.view(array.dtype).reshape(src.shape)
         np.copyto(dest, src)
         return dest.transpose(inverse), (lambda: self.free(token))
+
+
+def with_zero_row(tensor, row: int) -> np.ndarray:
+    """A host copy of ``tensor`` with ``row`` set to zeros (an embedding's padding row: Paddle's
+    ``padding_idx`` returns zeros for that id, torch returns the stored row). Never writes into
+    the model's own memory."""
+    arr = np.array(to_host_array(tensor), copy=True)
+    arr[row] = 0
+    return arr

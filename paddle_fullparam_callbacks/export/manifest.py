@@ -32,7 +32,7 @@ def versions() -> dict:
 
 
 def dominant_float_dtype(plan: ExportPlan):
-    """The floating dtype holding most bytes (what config.json's torch_dtype should say)."""
+    """The floating dtype holding most bytes (what config.json's dtype should say)."""
     by = collections.Counter()
     for s in plan.slots.values():
         if _dtypes.lookup(s.dtype).is_float:
@@ -54,7 +54,8 @@ def clean_metrics(metrics) -> dict:
             for k, v in (metrics or {}).items()}
 
 
-def build_manifest(*, name, step, reason, metrics, config, plan: ExportPlan, files: Dict[str, tuple], timings, framework, topology=None) -> dict:
+def build_manifest(*, name, step, reason, metrics, config, plan: ExportPlan, files: Dict[str, tuple], timings, framework, topology=None,
+                   model=None) -> dict:
     total = sum(b for b, _ in files.values())
     return {
         "manifest_version": MANIFEST_VERSION,
@@ -66,6 +67,7 @@ def build_manifest(*, name, step, reason, metrics, config, plan: ExportPlan, fil
         "export_format": config.export.format,
         "dtype": config.export.dtype,
         "framework": framework,
+        "model": model or {},
         "num_tensors": plan.num_tensors,
         "tensor_bytes": plan.total_tensor_bytes,
         "total_bytes": total,

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from ..assemble.local import LocalAssembler
-from ..assemble.mapping import DestinationMap, MappingError, apply_export_dtype, build_destination_map
+from ..assemble.mapping import (
+    DestinationMap, MappingError, apply_export_dtype, build_destination_map, padding_destinations,
+)
 from ..assemble.mesh import (
     MeshAssembler,
     records_from_state_dict,
@@ -45,6 +47,7 @@ from .. import _faults
 from . import commit
 from .distributed import LocalContext
 from .exporters import Exporter, make_exporter
+from .host import with_zero_row
 from .manifest import build_manifest, clean_metrics, describe_files, dominant_float_dtype
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
@@ -64,7 +67,9 @@ class ModelSource:
     generation_config: Optional[dict] = None
     tokenizer: Any = None
     framework: str = "paddle"
-    check_names: Optional[Callable] = None  # called with the destination names of a new mapping
+    check_mapping: Optional[Callable] = None  # called with the DestinationMap of a new mapping; raises to refuse
+    padding_rows: Dict[str, int] = field(default_factory=dict)  # source key -> embedding row exported as zeros
+    notes: Dict[str, Any] = field(default_factory=dict)  # recorded in the manifest under "model"
 
 
 @dataclass
@@ -92,6 +97,7 @@ class _Prepared:
     plan: ExportPlan
     order: List[str]  # destination names in file order
     writes: WritePlan
+    zero_rows: Dict[str, int] = field(default_factory=dict)  # destination -> row written as zeros
 
 
 @dataclass
@@ -208,13 +214,14 @@ class ExportSession:
                             "but the topology gives this rank a mesh of one: the parallel axes do not match the job"
                         )
             dmap = build_destination_map(shard_info_from_records(records), source.aoa_config if mapped else None)
-            if source.check_names is not None:
-                source.check_names(dmap.names)
+            if source.check_mapping is not None:
+                source.check_mapping(dmap)
+            zero_rows = padding_destinations(dmap, source.padding_rows)
             specs = apply_export_dtype(dmap.specs, self.config.export.dtype)
             plan = build_export_plan(specs, self.config.export.max_shard_bytes)
             order = [s.name for f in plan.files for s in sorted(f.slots, key=lambda s: s.begin)]
             writes = plan_writes(ctx.topology, [f.total_bytes for f in plan.files])
-            prepared = _Prepared(world_sig, records, dmap, plan, order, writes)
+            prepared = _Prepared(world_sig, records, dmap, plan, order, writes, zero_rows)
             plan_digest = _digest([(f.name, f.header) for f in plan.files])
         except Exception as e:  # reported on every rank below, never raised alone
             error, plan_digest = f"{type(e).__name__}: {e}", None
@@ -322,6 +329,8 @@ class ExportSession:
             for tname, tensor in self._stream(sd, p, source, targets, keep):
                 if job.error is None:
                     try:
+                        if tname in p.zero_rows:
+                            tensor = with_zero_row(tensor, p.zero_rows[tname])
                         exporter.write(tname, tensor)
                         job.seen += 1
                         _faults.point("tensor")
@@ -491,6 +500,7 @@ class ExportSession:
         manifest = build_manifest(
             name=name, step=job.step, reason=job.reason, metrics=job.metrics, config=self.config, plan=p.plan,
             files={**files, **extra}, timings=timings, framework=source.framework,
+            model={**source.notes, **({"padding_rows_zeroed": p.zero_rows} if p.zero_rows else {})},
             topology={
                 "world_size": topo.world_size, "axes": [list(a) for a in topo.axes],
                 "sharding_stage": topo.sharding_stage, "meshes": [[list(r) for r in m.rows] for m in topo.meshes],
@@ -529,8 +539,7 @@ class ExportSession:
                 cfg = dict(source.hf_config)
                 dtype = dominant_float_dtype(plan)
                 if dtype:
-                    cfg["torch_dtype"] = dtype
-                    cfg["dtype"] = dtype
+                    cfg["dtype"] = dtype  # transformers >= 4.56 writes and reads this key (torch_dtype before)
                 commit.write_json_durable(staging / "config.json", cfg)
                 written.append("config.json")
             if source.generation_config:

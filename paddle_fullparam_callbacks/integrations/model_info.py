@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Optional
+import re
+from typing import Any, Optional, Tuple
 
 from ..config.schema import FullParamConfig
+from ..assemble.mapping import MappingError
 from ..export.runner import ModelSource
-from .presets import check_destination_names, resolve_mapping
+from .mappings import check_destination_names, resolve_mapping
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 
@@ -76,26 +78,87 @@ def weights_tied(model) -> bool:
     return tied
 
 
-def hf_config_dict(model, tied: bool) -> Optional[dict]:
-    """config.json content for transformers: the model config with HF's required keys set."""
+# parallel-degree keys of PaddleFormers / PaddleNLP configs: a snapshot is a single-process model,
+# so they take the framework's single-process default (a reload with tensor_model_parallel_size=2
+# on one process fails in PaddleFormers)
+_PARALLEL_KEY = re.compile(
+    r"^((tensor|pipeline|context|sep|expert|virtual_pipeline)_(model_)?parallel_(size|degree|rank)"
+    r"|tensor_parallel_(degree|rank|output)|sequence_parallel|sep_parallel_(size|degree))$"
+)
+# keys of the frameworks' generic config base class that transformers reads too
+_HF_COMMON = {"architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"}
+
+
+def _config_dict(config) -> dict:
+    try:
+        return dict(config.to_dict(saving_file=True))
+    except TypeError:
+        return dict(config.to_dict())
+
+
+def _generic_defaults(config) -> dict:
+    """The framework's generic ``PretrainedConfig()`` values (training and parallel machinery)."""
+    for cls in type(config).__mro__:
+        if cls.__name__ == "PretrainedConfig":
+            try:
+                return _config_dict(cls())
+            except Exception:  # a framework whose base config needs arguments: keep everything
+                return {}
+    return {}
+
+
+def single_process_config(config) -> dict:
+    """The model config as the framework's single-process ``save_pretrained`` would describe it.
+
+    Every architecture key stays explicit (transformers would otherwise fill in its own defaults,
+    which need not be the framework's); parallel-degree keys take their single-process value; the
+    framework's generic keys left at their defaults are dropped (they are training machinery,
+    e.g. recompute and fusion switches, that neither transformers nor a reload needs spelled out).
+    """
+    raw = _config_dict(config)
+    base = _generic_defaults(config)
+    drop = set(_RUNTIME_KEYS) | set(_GENERATION_KEYS)
+    out = {}
+    for k, v in raw.items():
+        if k.startswith("_") or k in drop or not _jsonable(v):
+            continue
+        if k in base and k not in _HF_COMMON:
+            if _PARALLEL_KEY.match(k) or v == base[k]:
+                continue
+        out[k] = v
+    return out
+
+
+def hf_config_dict(model, tied: bool, preset=None) -> Optional[dict]:
+    """config.json content for transformers: the single-process model config, HF's required keys set.
+
+    ``preset``: a mapping preset of this package; its ``hf_config`` translates the keys and it
+    names the Hugging Face architecture (a framework's own mapping keeps the framework's names).
+    """
     config = getattr(model, "config", None)
     if config is None:
         return None
-    try:
-        raw = config.to_dict(saving_file=True)
-    except TypeError:
-        raw = config.to_dict()
-    drop = set(_RUNTIME_KEYS) | set(_GENERATION_KEYS)
-    out = {k: v for k, v in raw.items() if not k.startswith("_") and k not in drop and _jsonable(v)}
+    out = single_process_config(config)
     q = out.get("quantization_config")
     if not (isinstance(q, dict) and q.get("quant_method")):
         out.pop("quantization_config", None)  # an empty Paddle quant config would make HF try to quantize
-    if not out.get("architectures"):
-        out["architectures"] = [type(model).__name__]
-    out["tie_word_embeddings"] = bool(tied)
     for key in ("dtype", "torch_dtype"):
         out.pop(key, None)  # set by the exporter from the exported dtype
+    if preset is not None:
+        if preset.hf_config is not None:
+            out = preset.hf_config(out)
+        out["architectures"] = [preset.hf_architecture]
+        out["model_type"] = preset.hf_model_type
+    else:
+        out["architectures"] = [plain_class_name(model)]
+    out["tie_word_embeddings"] = bool(tied)
     return out
+
+
+def plain_class_name(model) -> str:
+    """The single-process causal-LM class a snapshot describes (``LlamaForCausalLMPipe`` -> ``LlamaForCausalLM``)."""
+    name = type(model).__name__
+    return name[: -len("Pipe")] if name.endswith("Pipe") else name
 
 
 def generation_config_dict(model) -> Optional[dict]:
@@ -106,6 +169,69 @@ def generation_config_dict(model) -> Optional[dict]:
     return out or None
 
 
+def embedding_padding_row(model, sharded_state_dict) -> Optional[Tuple[str, int]]:
+    """(source key, row) when the input embedding has a Paddle ``padding_idx``: Paddle returns
+    zeros for that id whatever the row holds; torch returns the row."""
+    try:
+        emb = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    weight = getattr(emb, "weight", None)
+    pad = getattr(emb, "_padding_idx", None)
+    if weight is None or pad is None or isinstance(pad, bool):
+        return None
+    rows = int(weight.shape[0])
+    row = int(pad) if pad >= 0 else rows + int(pad)
+    for key, sw in sharded_state_dict.items():
+        if sw.local_tensor is weight:
+            if tuple(sw.global_shape) != tuple(sw.local_shape):
+                return None  # sharded over ranks: Paddle's parallel embeddings have no padding index
+            return key, row
+    return None
+
+
+def _check_mapping(dmap, resolved, spec, tied: bool, lm_head_source: Optional[str]) -> None:
+    """Refuse mappings that would make transformers fill in random weights, before any byte."""
+    check_destination_names(dmap.names, resolved.destination_pattern, spec)
+    # a Paddle name the mapping converts somewhere but passes through elsewhere (PaddleFormers 1.2
+    # Gemma3 maps layer 0's up_gate_proj and exports layer 1's under its Paddle name)
+    converted = {_family(n) for n in dmap.transformed}
+    stray = sorted(n for n in dmap.passthrough if _family(n) in converted)
+    if stray:
+        more = f" and {len(stray) - 3} more" if len(stray) > 3 else ""
+        raise MappingError(
+            f"the name mapping ({resolved.source}) passes {stray[:3]}{more} through under Paddle names it converts "
+            "elsewhere: transformers would not find these weights and would initialise them at random. "
+            "Give a complete mapping with export.aoa (a preset, a file or a list of statements)"
+        )
+    if not tied and lm_head_source is not None:
+        head = resolved.preset.lm_head if resolved.preset is not None else "lm_head.weight"
+        if head and head not in dmap.spec_by_name:
+            raise MappingError(
+                f"the model has its own output embedding ({lm_head_source}) but the name mapping ({resolved.source}) "
+                f"exports no {head!r}: transformers would initialise the LM head at random. Give a mapping that "
+                "exports it with export.aoa"
+            )
+
+
+def _family(name: str) -> str:
+    return re.sub(r"\.\d+\.", ".N.", name)
+
+
+def _output_embedding_key(model, sharded_state_dict) -> Optional[str]:
+    try:
+        out = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    weight = getattr(out, "weight", None)
+    if weight is None:
+        return None
+    for key, sw in sharded_state_dict.items():
+        if sw.local_tensor is weight:
+            return key
+    return None
+
+
 def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) -> ModelSource:
     """Everything the export layer needs, from the (unwrapped) model; validates the mapping names."""
     model = unwrap_model(model)
@@ -114,21 +240,42 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
             f"{type(model).__name__} has no sharded_state_dict(): the exporter needs a paddle.nn.Layer "
             "(Paddle >= 3.3) so that every parameter reports its global shape and offset"
         )
-    aoa, pattern = None, None
     tied = weights_tied(model)
+    hf = config.export.format == "hf_safetensors"
+    sd = model.sharded_state_dict()
+    resolved, check, notes, padding = None, None, {}, {}
     if config.export.format != "paddle_safetensors":
-        keys = list(model.sharded_state_dict().keys())
-        aoa, pattern = resolve_mapping(config.export.aoa, model, keys, tied=tied)
-    spec = config.export.aoa
+        shapes = {k: tuple(sw.global_shape) for k, sw in sd.items()}
+        model_config = getattr(model, "config", None)
+        resolved = resolve_mapping(config.export.aoa, model, shapes, tied=tied,
+                                   config=single_process_config(model_config) if model_config is not None else None)
+        notes["mapping"] = resolved.source
+        lm_head = _output_embedding_key(model, sd)
+        spec = config.export.aoa
+        check = lambda dmap: _check_mapping(dmap, resolved, spec, tied, lm_head)  # noqa: E731
+        pad = embedding_padding_row(model, sd) if hf else None
+        if pad is not None:
+            key, row = pad
+            if tied:
+                # the row is also an output row: zeroing it would change the logits of token `row`
+                notes["padding_row_kept"] = {key: row}
+                logger.warning(
+                    "%s: the input embedding has padding_idx=%d (Paddle returns zeros for that id) and is tied to "
+                    "the LM head; the snapshot keeps the stored row, so transformers embeds id %d as that row",
+                    type(model).__name__, row, row)
+            else:
+                padding[key] = row
     return ModelSource(
         sharded_state_dict=model.sharded_state_dict,
-        aoa_config=aoa,
-        hf_config=hf_config_dict(model, tied) if config.export.format == "hf_safetensors" else None,
-        generation_config=generation_config_dict(model) if config.export.format == "hf_safetensors" else None,
+        aoa_config=resolved.aoa_config if resolved else None,
+        hf_config=hf_config_dict(model, tied, resolved.preset if resolved else None) if hf else None,
+        generation_config=generation_config_dict(model) if hf else None,
         tokenizer=tokenizer,
         framework=framework_of(model),
-        check_names=(lambda names: check_destination_names(names, pattern, spec)) if pattern else None,
+        check_mapping=check,
+        padding_rows=padding,
+        notes=notes,
     )
 
 
-__all__ = ["build_model_source", "check_destination_names", "unwrap_model"]
+__all__ = ["build_model_source", "hf_config_dict", "single_process_config", "unwrap_model"]

@@ -1,0 +1,10 @@
+"""Name mappings from Paddle models to Hugging Face architectures.
+
+PaddleFormers models bring their own (``_gen_inv_aoa_config``); where a framework has none or a
+wrong one, a :class:`~.base.Preset` of this package takes its place, picked by class.
+"""
+from . import paddlenlp_llama  # noqa: F401  (registers its presets)
+from .base import AUTO, PRESETS, MappingContext, Preset
+from .resolve import ResolvedMapping, check_destination_names, resolve_mapping
+
+__all__ = ["AUTO", "PRESETS", "MappingContext", "Preset", "ResolvedMapping", "check_destination_names", "resolve_mapping"]
