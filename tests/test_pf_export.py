@@ -160,15 +160,16 @@ def test_mapping_that_does_not_apply_fails_before_any_byte(tmp_path):
 def test_mapping_file_with_split_assembles_each_part(tmp_path):
     model = make_tiny_llama(seed=1, tie_word_embeddings=False)
     mapping = tmp_path / "map.json"
-    mapping.write_text(json.dumps([
-        "model.layers.0.self_attn.q_proj.weight -> qa, qb, axis=1",
-        "qa -> model.layers.0.self_attn.q_half.weight",
-    ]))
+    mapping.write_text(json.dumps([s for layer in (0, 1) for s in (
+        f"model.layers.{layer}.self_attn.q_proj.weight -> qa, model.layers.{layer}.qb, axis=1",
+        f"qa -> model.layers.{layer}.self_attn.q_half.weight",
+    )]))
     info = _export(model, tmp_path / "out", f"export.aoa={mapping}")
     got = snapshot_tensors(info.path)
-    q = model.state_dict()["model.layers.0.self_attn.q_proj.weight"].numpy()
-    assert np.array_equal(got["model.layers.0.self_attn.q_half.weight"], q[:, : q.shape[1] // 2])
-    assert np.array_equal(got["qb"], q[:, q.shape[1] // 2:])
+    for layer in (0, 1):
+        q = model.state_dict()[f"model.layers.{layer}.self_attn.q_proj.weight"].numpy()
+        assert np.array_equal(got[f"model.layers.{layer}.self_attn.q_half.weight"], q[:, : q.shape[1] // 2])
+        assert np.array_equal(got[f"model.layers.{layer}.qb"], q[:, q.shape[1] // 2:])
 
 
 @pytest.mark.parametrize("boxes, message", [

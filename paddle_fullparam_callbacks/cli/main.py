@@ -11,8 +11,19 @@ def _cmd_verify(ns) -> int:
     from ..export.verify import verify_snapshot
 
     reports = [verify_snapshot(d, check_hashes=not ns.no_hash) for d in ns.dirs]
+    payloads = [r.as_dict() for r in reports]
+    if ns.transformers:
+        from ..export.verify_hf import verify_with_transformers
+
+        for r, payload in zip(reports, payloads):
+            hf = verify_with_transformers(r.path)
+            payload["transformers"] = hf.as_dict()
+            if not hf.ok:
+                r.ok = payload["ok"] = False
+                r.errors.extend(f"transformers: {p}" for p in hf.problems())
+                payload["errors"] = r.errors
     if ns.json:
-        payload = reports[0].as_dict() if len(reports) == 1 else {"ok": all(r.ok for r in reports), "snapshots": [r.as_dict() for r in reports]}
+        payload = payloads[0] if len(reports) == 1 else {"ok": all(r.ok for r in reports), "snapshots": payloads}
         print(json.dumps(payload))
     else:
         for r in reports:
@@ -86,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dirs", nargs="+")
     v.add_argument("--json", action="store_true", help="print one JSON object")
     v.add_argument("--no-hash", action="store_true", help="skip sha256 (sizes and headers only)")
+    v.add_argument("--transformers", action="store_true",
+                   help="also load each snapshot with transformers on the meta device (needs torch, transformers, "
+                        "accelerate) and report missing, unexpected, mis-shaped and mis-typed tensors")
     v.set_defaults(func=_cmd_verify)
 
     pl = sub.add_parser("plan", help="print the meshes and writers of a hybrid topology (nothing is launched)")

@@ -202,7 +202,8 @@ def _check_mapping(dmap, resolved, spec, tied: bool, lm_head_source: Optional[st
         raise MappingError(
             f"the name mapping ({resolved.source}) passes {stray[:3]}{more} through under Paddle names it converts "
             "elsewhere: transformers would not find these weights and would initialise them at random. "
-            "Give a complete mapping with export.aoa (a preset, a file or a list of statements)"
+            "Give a complete mapping with export.aoa (a preset, a file or a list of statements); a tensor meant to "
+            "keep its name can be renamed to itself ('a -> a')"
         )
     if not tied and lm_head_source is not None:
         head = resolved.preset.lm_head if resolved.preset is not None else "lm_head.weight"

@@ -27,3 +27,23 @@ class ZooCase:
     reload: Optional[str] = None  # None: reloads in its own framework with from_pretrained; else why not
     notes: str = ""
     extra: Dict[str, object] = field(default_factory=dict)
+
+
+def all_cases(framework: Optional[str] = None) -> list:
+    """Every case of every ``cases_*.py`` module here (pure data: importable without Paddle)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    if str(here) not in sys.path:
+        sys.path.insert(0, str(here))
+    cases, seen = [], set()
+    for path in sorted(here.glob("cases_*.py")):
+        for case in importlib.import_module(path.stem).CASES:
+            if case.id in seen:
+                raise ValueError(f"zoo case id {case.id!r} is used twice")
+            seen.add(case.id)
+            if framework is None or case.framework == framework:
+                cases.append(case)
+    return cases

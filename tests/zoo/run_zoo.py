@@ -1,0 +1,213 @@
+"""The Paddle half of the model zoo, one process per framework environment.
+
+    python tests/zoo/run_zoo.py {paddleformers|paddlenlp} OUT_DIR [--only SUBSTRING]
+
+For every case of that framework (``cases_*.py``): build the tiny model, give its embedding's
+padding row (if any) nonzero values, as pretrained weights have, train it 3 steps with the
+framework's real Trainer and ``FullParamExportCallback`` at default settings (one snapshot, at the
+end of training), then record Paddle's logits on ids that include 0, pad, bos and eos, and reload
+the snapshot into the framework single-process. Cases whose forward cannot run here are exported
+without training. Writes ``OUT_DIR/results.json``: one entry per case, for ``hf_check.py`` and the
+tests.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))
+
+from case import ZooCase, all_cases  # noqa: E402
+
+STEPS = 3
+SEQ = 16
+
+
+def special_ids(config) -> list:
+    ids = [0]
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        v = getattr(config, key, None)
+        if isinstance(v, (list, tuple)):
+            v = v[0] if v else None
+        if isinstance(v, int) and 0 <= v < config.vocab_size:
+            ids.append(v)
+    return ids
+
+
+def input_ids(config, without=None) -> np.ndarray:
+    """Random ids with the special ids in them (``without``: an id left out, replaced by another)."""
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, config.vocab_size, (2, SEQ))
+    specials = special_ids(config)
+    if without is not None:
+        ids[ids == without] = (without + 1) % config.vocab_size
+        specials = [i for i in specials if i != without]
+    ids[0, : len(specials)] = specials  # specials at the start of one row
+    ids[1, -len(specials):] = specials  # and inside the context of the other
+    return ids
+
+
+def build(case: ZooCase, seed: int = 0):
+    import paddle
+
+    mod = importlib.import_module(case.module)
+    paddle.seed(seed)
+    config = getattr(mod, case.config_class)(**case.config)
+    model = getattr(mod, case.model_class)(config)
+    return config, model
+
+
+def padding_row(model) -> "int | None":
+    try:
+        emb = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    pad = getattr(emb, "_padding_idx", None)
+    if pad is None:
+        return None
+    return int(pad if pad >= 0 else emb.weight.shape[0] + pad)
+
+
+def is_tied(model) -> "bool | None":
+    try:
+        out = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    return None if out is None else model.get_input_embeddings().weight is getattr(out, "weight", None)
+
+
+def set_row(model, row: int) -> None:
+    """Nonzero values in the embedding's padding row (Paddle's init leaves it zero; pretrained
+    weights do not), so the test sees whether the snapshot computes what Paddle computes."""
+    import paddle
+
+    weight = model.get_input_embeddings().weight
+    with paddle.no_grad():
+        weight[row] = paddle.full([weight.shape[1]], 0.5, dtype=weight.dtype)
+
+
+def logits_of(model, ids: np.ndarray) -> np.ndarray:
+    import paddle
+
+    model.eval()
+    with paddle.no_grad():
+        out = model(paddle.to_tensor(ids))
+    if hasattr(out, "logits"):
+        out = out.logits
+    elif isinstance(out, (tuple, list)):
+        out = out[0]
+    return out.astype("float32").numpy()
+
+
+def train_with_callback(case: ZooCase, model, work: Path):
+    from paddle_fullparam_callbacks import FullParamExportCallback
+    from paddle_fullparam_callbacks.cli.demo import TokenDataset, make_trainer, trainer_args
+
+    cb = FullParamExportCallback(output_dir=str(work / "snapshots"))
+    args = trainer_args(case.framework, str(work / "trainer"), STEPS, save_steps=10_000)
+    vocab = int(case.config.get("vocab_size", 512))
+    trainer = make_trainer(case.framework, model, args, [cb], train_dataset=TokenDataset(n=16, vocab=vocab))
+    trainer.train()
+    return cb
+
+
+def export_without_training(model, work: Path):
+    from paddle_fullparam_callbacks.config import load_config
+    from paddle_fullparam_callbacks.export import ExportSession
+    from paddle_fullparam_callbacks.integrations.model_info import build_model_source
+
+    cfg = load_config(None, [f"output_dir={work / 'snapshots'}"])
+    session = ExportSession(cfg, cfg.output_dir)
+    session.start()
+    return session.export(build_model_source(model, cfg), 0, reason="zoo")
+
+
+def reload_logits(case: ZooCase, snapshot: Path, ids: np.ndarray) -> np.ndarray:
+    """The snapshot loaded back single-process by the framework itself."""
+    mod = importlib.import_module(case.module)
+    cls = getattr(mod, case.model_class)
+    if case.framework == "paddleformers":
+        model = cls.from_pretrained(str(snapshot), convert_from_hf=True, dtype="float32")
+    else:
+        model = cls.from_pretrained(str(snapshot), convert_from_torch=True, dtype="float32")
+    return logits_of(model, ids)
+
+
+def run_case(case: ZooCase, out: Path) -> dict:
+    work = out / case.id
+    work.mkdir(parents=True, exist_ok=True)
+    entry = {"id": case.id, "framework": case.framework, "hf_class": case.hf_class, "forward": case.no_forward is None}
+    t0 = time.perf_counter()
+    config, model = build(case)
+    entry["padding_row"] = row = padding_row(model)
+    entry["tied"] = tied = is_tied(model)
+    if row is not None and not tied:
+        set_row(model, row)
+    if case.train:
+        cb = train_with_callback(case, model, work)
+        entry["events"], entry["errors"] = list(cb.events), list(cb.errors)
+        snapshots = [s for s in cb.snapshots if s.path is not None]
+        snapshot = snapshots[-1].path if snapshots else None
+    else:
+        info = export_without_training(model, work)
+        entry["events"], entry["errors"] = ["zoo@0"], []
+        snapshot = info.path
+    entry["snapshot"] = str(snapshot) if snapshot else None
+    if snapshot is not None:
+        entry["manifest_model"] = json.loads((Path(snapshot) / "fullparam_manifest.json").read_text()).get("model")
+    if case.no_forward is None:
+        # tied with a padding row: the row is also an output row, so the snapshot keeps it (and says
+        # so) and transformers embeds that id as the row where Paddle gives zeros: compare without it
+        ids = input_ids(config, without=row if (row is not None and tied) else None)
+        np.save(work / "ids.npy", ids)
+        logits = logits_of(model, ids)
+        np.save(work / "logits.npy", logits)
+        entry["ids"], entry["logits"] = str(work / "ids.npy"), str(work / "logits.npy")
+        if case.reload is None and snapshot is not None:
+            try:
+                entry["reload_max_abs_diff"] = float(np.max(np.abs(reload_logits(case, snapshot, ids) - logits)))
+            except Exception as e:  # reported, the test decides
+                entry["reload_error"] = f"{type(e).__name__}: {e}"[:2000]
+    entry["seconds"] = round(time.perf_counter() - t0, 2)
+    return entry
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("framework", choices=["paddleformers", "paddlenlp"])
+    ap.add_argument("out")
+    ap.add_argument("--only", default="")
+    ns = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    from paddle_fullparam_callbacks.cli.demo import quiet_framework_logs
+
+    quiet_framework_logs()
+    for case in all_cases(ns.framework):
+        if ns.only and ns.only not in case.id:
+            continue
+        try:
+            entry = run_case(case, out)
+        except Exception as e:
+            entry = {"id": case.id, "fatal": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+        results.append(entry)
+        print(json.dumps({k: entry.get(k) for k in ("id", "seconds", "errors", "fatal", "reload_max_abs_diff", "reload_error")}),
+              flush=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""What the zoo tests of both environments share: run the two halves once, check one case."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TOLERANCE = 1e-4  # fp32 logits, max abs diff
+
+
+def run_suite(framework: str, out: Path, hf_python: str):
+    """Paddle half in this environment's interpreter, transformers half in the hf one; one process each."""
+    proc = subprocess.run([sys.executable, str(HERE / "run_zoo.py"), framework, str(out)],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = {e["id"]: e for e in json.loads((out / "results.json").read_text())}
+    proc = subprocess.run([hf_python, str(HERE / "hf_check.py"), str(out / "results.json")],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    hf = json.loads(proc.stdout.strip().splitlines()[-1])
+    return results, hf
+
+
+def check_case(case, entry: dict, hf: dict) -> None:
+    assert "fatal" not in entry, entry.get("traceback", entry.get("fatal"))
+    assert entry["errors"] == [], entry["errors"]
+    assert entry["snapshot"], "no snapshot was committed"
+    snapshot = Path(entry["snapshot"])
+    assert "error" not in hf, hf.get("error")
+    # names, shapes and dtypes as transformers' own loader sees them: nothing missing or extra
+    v = hf["verify"]
+    assert v["ok"], v
+    assert v["architecture"] == case.hf_class
+    config = json.loads((snapshot / "config.json").read_text())
+    assert config["architectures"] == [case.hf_class]
+    assert "torch_dtype" not in config and config["dtype"] == "float32"
+    assert not any(k.endswith(("parallel_size", "parallel_degree")) and v not in (1, None) for k, v in config.items())
+    if case.tied is not None:
+        assert entry["tied"] is case.tied and config["tie_word_embeddings"] is case.tied
+    notes = entry.get("manifest_model") or {}
+    if entry.get("padding_row") is not None:
+        # the embedding's padding row: zeros in the snapshot when untied, kept (and said) when tied
+        key = "padding_row_kept" if entry["tied"] else "padding_rows_zeroed"
+        assert list(notes.get(key, {}).values()) == [entry["padding_row"]], notes
+    if case.no_forward is None:
+        assert hf["class"] == case.hf_class
+        assert hf["max_abs_diff"] is not None and hf["max_abs_diff"] <= TOLERANCE, hf
+        if case.reload is None:
+            assert entry.get("reload_error") is None, entry.get("reload_error")
+            assert entry["reload_max_abs_diff"] <= TOLERANCE, entry
