@@ -58,7 +58,7 @@ def test_cli_demo_verify_and_recipes(tmp_path):
     good = snaps / "hf-step-000020"
     v = run_cli("verify", str(good), "--json")
     report = json.loads(v.stdout)
-    assert v.returncode == 0 and report["ok"] and report["tensors"] == 20 and report["errors"] == []
+    assert v.returncode == 0 and report["ok"] and report["tensors"] == 21 and report["errors"] == []
     assert report["files"] >= 3 and report["bytes"] > 400_000
     # damage one byte of a shard: verify names the file and exits 1
     shard = sorted(good.glob("model-*.safetensors"))[-1]

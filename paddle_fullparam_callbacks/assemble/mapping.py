@@ -70,6 +70,7 @@ class DestinationMap:
     aoa_config: Optional[dict]
     passthrough: List[str] = field(default_factory=list)  # sources exported under their own name
     transformed: List[str] = field(default_factory=list)  # sources some statement read
+    source_shapes: Dict[str, tuple] = field(default_factory=dict)  # source name -> global shape
 
     def __post_init__(self):
         self.spec_by_name: Dict[str, TensorSpec] = {s.name: s for s in self.specs}
@@ -116,7 +117,8 @@ def build_destination_map(shard_info: Dict[str, list], aoa_config: Optional[dict
     if not specs:
         raise MappingError("the name mapping produced no destination tensors")
     transformed = sorted({n for reads, _ in _statement_flow(engine) for n in reads if n in engine.input_vars})
-    return DestinationMap(specs, entries, aoa_config, passthrough_names(engine), transformed)
+    sources = {k: tuple(v[0].global_shape) for k, v in shard_info.items()}
+    return DestinationMap(specs, entries, aoa_config, passthrough_names(engine), transformed, sources)
 
 
 def _statement_flow(engine):

@@ -532,8 +532,9 @@ class ExportSession:
     def _write_side_files(self, staging: Path, source: ModelSource, plan: ExportPlan) -> Dict[str, tuple]:
         """Index, config.json, generation_config.json, tokenizer files -> {file: (bytes, sha256)}."""
         written = []
-        commit.write_json_durable(staging / commit.INDEX, plan.index())
-        written.append(commit.INDEX)
+        if plan.needs_index:
+            commit.write_json_durable(staging / commit.INDEX, plan.index())
+            written.append(commit.INDEX)
         if self.config.export.format == "hf_safetensors":
             if source.hf_config is not None:
                 cfg = dict(source.hf_config)

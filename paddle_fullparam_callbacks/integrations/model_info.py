@@ -52,30 +52,57 @@ def _jsonable(obj):
         return False
 
 
-def weights_tied(model) -> bool:
-    """Whether the output embedding *is* the input embedding (not just what the config claims).
+def _layer_weight(layer):
+    """An embedding or LM head layer's matrix (PaddleNLP's Bloom/OPT heads call it ``decoder_weight``)."""
+    for attr in ("weight", "decoder_weight"):
+        w = getattr(layer, attr, None)
+        if w is not None:
+            return w
+    return None
 
-    PaddleNLP 2.8's Llama accepts ``tie_word_embeddings=True`` but keeps a separate LM head, so
-    the config flag alone would make the snapshot drop a weight the model uses.
+
+def _embedding(model, which: str):
+    try:
+        layer = getattr(model, f"get_{which}_embeddings")()
+    except (AttributeError, NotImplementedError):
+        return None
+    return _layer_weight(layer) if layer is not None else None
+
+
+def _key_of(sharded_state_dict, tensor) -> Optional[str]:
+    for key, sw in sharded_state_dict.items():
+        if sw.local_tensor is tensor:
+            return key
+    return None
+
+
+def output_embedding(model, sharded_state_dict) -> Tuple[Optional[str], bool]:
+    """(the LM head's key in the sharded state dict, whether it *is* the input embedding).
+
+    Decided by identity, never by the config's claim alone: PaddleNLP 2.8's Llama accepts
+    ``tie_word_embeddings=True`` but keeps a separate head, and its OPT defaults to that claim
+    while its head (``lm_head.decoder_weight``) is always its own parameter.
     """
     config = getattr(model, "config", None)
     claimed = bool(getattr(config, "tie_word_embeddings", False))
-    try:
-        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        return claimed
+    inp, out = _embedding(model, "input"), _embedding(model, "output")
+    if out is None:  # no accessor: a parameter of the model's lm_head, if it has one
+        out = next((sw.local_tensor for k, sw in sharded_state_dict.items() if re.match(r"(.*\.)?lm_head\.", k)), None)
     if inp is None or out is None:
-        return claimed
-    a, b = getattr(inp, "weight", None), getattr(out, "weight", None)
-    if a is None or b is None:
-        return claimed
-    tied = a is b
+        # nothing to compare: the claim stands (a preset refuses a claim its architecture contradicts)
+        return None, claimed
+    tied = out is inp
     if claimed and not tied:
         logger.warning(
             "%s: config says tie_word_embeddings=True but the LM head has its own weight; "
-            "exporting lm_head.weight and writing tie_word_embeddings=false", type(model).__name__,
+            "exporting it and writing tie_word_embeddings=false", type(model).__name__,
         )
-    return tied
+    return _key_of(sharded_state_dict, out), tied
+
+
+def weights_tied(model) -> bool:
+    """Whether the output embedding *is* the input embedding (see :func:`output_embedding`)."""
+    return output_embedding(model, model.sharded_state_dict())[1]
 
 
 # parallel-degree keys of PaddleFormers / PaddleNLP configs: a snapshot is a single-process model,
@@ -156,9 +183,12 @@ def hf_config_dict(model, tied: bool, preset=None) -> Optional[dict]:
 
 
 def plain_class_name(model) -> str:
-    """The single-process causal-LM class a snapshot describes (``LlamaForCausalLMPipe`` -> ``LlamaForCausalLM``)."""
+    """The single-process causal-LM class a snapshot describes: ``LlamaForCausalLMPipe`` ->
+    ``LlamaForCausalLM``, PaddleFormers' ``Qwen2ForCausalLMPipeDeprecated`` -> ``Qwen2ForCausalLM``."""
     name = type(model).__name__
-    return name[: -len("Pipe")] if name.endswith("Pipe") else name
+    for suffix in ("Deprecated", "Pipe"):
+        name = name[: -len(suffix)] if name.endswith(suffix) else name
+    return name
 
 
 def generation_config_dict(model) -> Optional[dict]:
@@ -193,44 +223,37 @@ def embedding_padding_row(model, sharded_state_dict) -> Optional[Tuple[str, int]
 def _check_mapping(dmap, resolved, spec, tied: bool, lm_head_source: Optional[str]) -> None:
     """Refuse mappings that would make transformers fill in random weights, before any byte."""
     check_destination_names(dmap.names, resolved.destination_pattern, spec)
-    # a Paddle name the mapping converts somewhere but passes through elsewhere (PaddleFormers 1.2
-    # Gemma3 maps layer 0's up_gate_proj and exports layer 1's under its Paddle name)
-    converted = {_family(n) for n in dmap.transformed}
-    stray = sorted(n for n in dmap.passthrough if _family(n) in converted)
+    head = resolved.preset.lm_head if resolved.preset is not None else "lm_head.weight"
+    if resolved.vouched:
+        # a framework's mapping or a preset names every tensor it exports (PaddleFormers' list even
+        # the identity renames); a source no statement touched keeps its Paddle name, which
+        # transformers does not know (PaddleFormers 1.2's Qwen3-Next passes eleven fused tensors
+        # through). Only the LM head already under its HF name may pass (tied, transformers ties
+        # it to the embedding it equals).
+        allowed = {head} if head else set()
+        stray = sorted(n for n in dmap.passthrough if n not in allowed)
+    else:
+        # a mapping of the user's may leave names alone, but not a family it converts elsewhere
+        converted = {_family(n) for n in dmap.transformed}
+        stray = sorted(n for n in dmap.passthrough if _family(n) in converted)
     if stray:
         more = f" and {len(stray) - 3} more" if len(stray) > 3 else ""
         raise MappingError(
-            f"the name mapping ({resolved.source}) passes {stray[:3]}{more} through under Paddle names it converts "
-            "elsewhere: transformers would not find these weights and would initialise them at random. "
+            f"the name mapping ({resolved.source}) exports {stray[:3]}{more} under Paddle names no statement maps: "
+            "transformers would not find these weights and would initialise them at random. "
             "Give a complete mapping with export.aoa (a preset, a file or a list of statements); a tensor meant to "
             "keep its name can be renamed to itself ('a -> a')"
         )
-    if not tied and lm_head_source is not None:
-        head = resolved.preset.lm_head if resolved.preset is not None else "lm_head.weight"
-        if head and head not in dmap.spec_by_name:
-            raise MappingError(
-                f"the model has its own output embedding ({lm_head_source}) but the name mapping ({resolved.source}) "
-                f"exports no {head!r}: transformers would initialise the LM head at random. Give a mapping that "
-                "exports it with export.aoa"
-            )
+    if not tied and lm_head_source is not None and head and head not in dmap.spec_by_name:
+        raise MappingError(
+            f"the model has its own output embedding ({lm_head_source}) but the name mapping ({resolved.source}) "
+            f"exports no {head!r}: transformers would initialise the LM head at random. Give a mapping that "
+            "exports it with export.aoa"
+        )
 
 
 def _family(name: str) -> str:
     return re.sub(r"\.\d+\.", ".N.", name)
-
-
-def _output_embedding_key(model, sharded_state_dict) -> Optional[str]:
-    try:
-        out = model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    weight = getattr(out, "weight", None)
-    if weight is None:
-        return None
-    for key, sw in sharded_state_dict.items():
-        if sw.local_tensor is weight:
-            return key
-    return None
 
 
 def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) -> ModelSource:
@@ -241,9 +264,9 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
             f"{type(model).__name__} has no sharded_state_dict(): the exporter needs a paddle.nn.Layer "
             "(Paddle >= 3.3) so that every parameter reports its global shape and offset"
         )
-    tied = weights_tied(model)
     hf = config.export.format == "hf_safetensors"
     sd = model.sharded_state_dict()
+    lm_head, tied = output_embedding(model, sd)
     resolved, check, notes, padding = None, None, {}, {}
     if config.export.format != "paddle_safetensors":
         shapes = {k: tuple(sw.global_shape) for k, sw in sd.items()}
@@ -251,7 +274,10 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
         resolved = resolve_mapping(config.export.aoa, model, shapes, tied=tied,
                                    config=single_process_config(model_config) if model_config is not None else None)
         notes["mapping"] = resolved.source
-        lm_head = _output_embedding_key(model, sd)
+        if resolved.repairs:
+            notes["mapping_repairs"] = resolved.repairs
+            for r in resolved.repairs:
+                logger.warning("%s: %s", resolved.source, r)
         spec = config.export.aoa
         check = lambda dmap: _check_mapping(dmap, resolved, spec, tied, lm_head)  # noqa: E731
         pad = embedding_padding_row(model, sd) if hf else None

@@ -81,6 +81,11 @@ class ExportPlan:
     def num_tensors(self) -> int:
         return len(self.slots)
 
+    @property
+    def needs_index(self) -> bool:
+        """A single file carries no ``model.safetensors.index.json`` (transformers' layout)."""
+        return len(self.files) > 1
+
     def index(self) -> dict:
         """The ``model.safetensors.index.json`` object."""
         weight_map = {}
@@ -181,7 +186,9 @@ def build_export_plan(
             offset = s.end
             slots.append(s)
             slots_by_name[t.name] = s
-        name = f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
+        # one file: "model.safetensors" and no index, as transformers writes it (PaddleNLP 2.8's
+        # torch-format loader converts names only for that layout)
+        name = f"{prefix}.safetensors" if n == 1 else f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
         files.append(ShardFile(i, name, build_header(slots, metadata), tuple(slots)))
     return ExportPlan(tuple(files), max_shard_size, slots_by_name)
 

@@ -158,6 +158,10 @@ def test_file_names_follow_hf_pattern(specs, max_shard):
     plan = build_export_plan(specs, max_shard)
     n = len(plan.files)
     assert n >= 1
+    if n == 1:  # transformers' single-file layout, no index
+        assert plan.files[0].name == "model.safetensors" and not plan.needs_index
+        return
+    assert plan.needs_index
     for i, f in enumerate(plan.files):
         m = FILE_NAME.match(f.name)
         assert m, f.name
@@ -167,7 +171,7 @@ def test_file_names_follow_hf_pattern(specs, max_shard):
 
 def test_prefix_and_metadata_arguments():
     plan = build_export_plan([TensorSpec("w", (2,), "float32")], 100, prefix="pd", metadata={"k": "v"})
-    assert plan.files[0].name == "pd-00001-of-00001.safetensors"
+    assert plan.files[0].name == "pd.safetensors" and not plan.needs_index  # one file: transformers' layout
     assert parse_header(plan.files[0].header)["__metadata__"] == {"k": "v"}
 
 
@@ -226,7 +230,7 @@ def test_golden_header_bytes():
     assert f.total_bytes == 8 + 144 + 22
     assert plan.index() == {
         "metadata": {"total_size": 22},
-        "weight_map": {"a": "model-00001-of-00001.safetensors", "b": "model-00001-of-00001.safetensors"},
+        "weight_map": {"a": "model.safetensors", "b": "model.safetensors"},
     }
 
 

@@ -23,6 +23,8 @@ from paddle_fullparam_callbacks.export.verify_hf import verify_with_transformers
 
 def check(entry: dict) -> dict:
     out = {}
+    if "refused_error" in entry:
+        return {}
     snapshot = entry.get("snapshot")
     if not snapshot:
         return {"error": "no snapshot"}

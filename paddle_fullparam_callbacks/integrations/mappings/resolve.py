@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from ...config.schema import ConfigError
 from .base import AUTO, PRESETS, MappingContext, Preset
@@ -22,6 +22,8 @@ class ResolvedMapping:
     aoa_config: Optional[dict]
     source: str  # where it came from, recorded in the manifest: "preset llama_paddlenlp", ...
     preset: Optional[Preset] = None
+    repairs: List[str] = field(default_factory=list)  # what was changed in a framework's own mapping, and why
+    vouched: bool = False  # a preset's or the framework's own: every exported tensor must come from a statement
 
     @property
     def destination_pattern(self) -> Optional[str]:
@@ -56,12 +58,31 @@ def known_architectures() -> str:
     return ", ".join(rows)
 
 
-def _tie_statements(tied: bool, source_keys: Iterable[str], statements: list) -> list:
-    """With tied embeddings the HF file has no lm_head.weight (transformers ties it on load)."""
-    if "lm_head.weight" in set(source_keys) and tied:
-        if not any(re.search(r"(^|\s)lm_head\.weight(\^T)?\s*->", s) for s in statements):
-            return statements + ["lm_head.weight -> _"]
-    return statements
+_LM_HEAD_DROP = re.compile(r"^\s*lm_head\.weight\s*->\s*_\s*$")
+_CAST = re.compile(r"\s*,\s*(src_dtype|dst_dtype|dtype)\s*=\s*['\"]?\w+['\"]?")
+
+
+def _repair_framework_mapping(cfg: dict, tied: bool, source_keys: Iterable[str]) -> Tuple[dict, List[str]]:
+    """A framework's own mapping, made to export the model as it is.
+
+    - Untied: a mapping that drops lm_head.weight (PaddleFormers 1.2 drops it whenever the config
+      says tie_word_embeddings, although Qwen2-MoE, GPT-OSS, DeepSeek-V3, ... keep their own head)
+      would make transformers tie a trained head to the embedding: export it instead.
+    - Tied: left as the framework writes it. Some of its loaders need lm_head.weight in the
+      file (PaddleFormers 1.2's Phi3); transformers ties a head equal to the embedding.
+    - Casts: PaddleFormers 1.2's MoE mappings cast the router to bfloat16 inside an otherwise
+      float32 snapshot, which changes routing; the snapshot's dtype is ``export.dtype``'s to set.
+    """
+    statements = list(cfg.get("aoa_statements", []))
+    repairs = []
+    if "lm_head.weight" in set(source_keys) and not tied and any(_LM_HEAD_DROP.match(s) for s in statements):
+        statements = [("lm_head.weight -> lm_head.weight" if _LM_HEAD_DROP.match(s) else s) for s in statements]
+        repairs.append("lm_head.weight exported (the model's LM head is its own weight; the mapping dropped it)")
+    cast = [s for s in statements if _CAST.search(s)]
+    if cast:
+        statements = [_CAST.sub("", s) for s in statements]
+        repairs.append(f"dtype casts removed from {len(cast)} statement(s) (export.dtype sets the snapshot's dtype), e.g. {cast[0]!r}")
+    return {**cfg, "aoa_statements": statements}, repairs
 
 
 def _load_mapping_file(path: Path) -> dict:
@@ -88,7 +109,7 @@ def _load_mapping_file(path: Path) -> dict:
 
 
 def _from_preset(preset: Preset, ctx: MappingContext) -> ResolvedMapping:
-    return ResolvedMapping({"aoa_statements": preset.statements(ctx)}, f"preset {preset.name}", preset)
+    return ResolvedMapping({"aoa_statements": preset.statements(ctx)}, f"preset {preset.name}", preset, vouched=True)
 
 
 def resolve_mapping(spec, model, shapes: Dict[str, Tuple[int, ...]], tied: bool = False,
@@ -109,14 +130,13 @@ def resolve_mapping(spec, model, shapes: Dict[str, Tuple[int, ...]], tied: bool 
             return _from_preset(preset, ctx)
         own = _own_method(model, "_gen_inv_aoa_config")
         if own is not None:
-            cfg = dict(own(model_config))
-            cfg["aoa_statements"] = _tie_statements(tied, shapes, list(cfg.get("aoa_statements", [])))
-            return ResolvedMapping(cfg, f"{type(model).__name__}._gen_inv_aoa_config")
+            cfg, repairs = _repair_framework_mapping(dict(own(model_config)), tied, shapes)
+            return ResolvedMapping(cfg, f"{type(model).__name__}._gen_inv_aoa_config", repairs=repairs, vouched=True)
         own = _own_method(model, "_gen_aoa_config")
         if own is not None:
             cfg = dict(own(model_config))
             cfg["aoa_config_reverse"] = True
-            return ResolvedMapping(cfg, f"{type(model).__name__}._gen_aoa_config (reversed)")
+            return ResolvedMapping(cfg, f"{type(model).__name__}._gen_aoa_config (reversed)", vouched=True)
         cls = type(model)
         raise ConfigError(
             "export.aoa",
