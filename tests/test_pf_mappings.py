@@ -147,3 +147,39 @@ def test_config_json_of_a_parallel_job_loads_back_single_process(tmp_path):
     reloaded = LlamaForCausalLM.from_pretrained(str(info.path), convert_from_hf=True, dtype="float32")
     assert reloaded.config.tensor_model_parallel_size == 1
     assert np.max(np.abs(paddle_logits(reloaded, ids) - expected)) <= 1e-5
+
+
+# ---- verify --transformers: transformers' own loader on the meta device --------------------
+
+@pytest.mark.hf_client
+def test_verify_transformers_reports_what_transformers_would_invent(tmp_path, hf_python):
+    import subprocess
+
+    from _helpers import ROOT
+
+    model = make_tiny_llama(seed=7, tie_word_embeddings=False)
+    good = _export(tmp_path / "good", model).path
+    # PaddleFormers' own mapping with the final norm renamed to a name transformers does not know,
+    # and one Linear left in Paddle's [in, out] layout, given as a mapping file of the user's
+    own = model._gen_inv_aoa_config(model.config)["aoa_statements"]
+    stmts = [st.replace("-> model.norm.weight", "-> model.final_norm.weight")
+             .replace("mlp.up_proj.weight^T ->", "mlp.up_proj.weight ->") for st in own]
+    assert stmts != own
+    (tmp_path / "map.json").write_text(json.dumps(stmts))
+    bad = _export(tmp_path / "bad", model, f"export.aoa={tmp_path / 'map.json'}").path
+    assert verify_snapshot(bad).ok  # intact as files: only transformers can tell
+
+    def run(path):
+        proc = subprocess.run([hf_python, "-m", "paddle_fullparam_callbacks", "verify", "--transformers", "--json", str(path)],
+                              capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                              env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+        return proc.returncode, json.loads(proc.stdout)
+
+    code, report = run(good)
+    assert code == 0 and report["ok"] and report["transformers"]["architecture"] == "LlamaForCausalLM", report
+    code, report = run(bad)
+    hf = report["transformers"]
+    assert code == 1 and not report["ok"]
+    assert hf["missing"] == ["model.norm.weight"] and hf["unexpected"] == ["model.final_norm.weight"]
+    assert [m.split(":")[0] for m in hf["mismatched"]] == [f"model.layers.{i}.mlp.up_proj.weight" for i in (0, 1)]
+    assert any("missing (transformers would initialise them at random)" in e for e in report["errors"])

@@ -88,7 +88,8 @@ def verify_with_transformers(directory: "str | Path") -> TransformersReport:
             previous = logging.getLogger("transformers").level
             transformers.logging.set_verbosity_error()  # the report says what its warnings would
             try:
-                _, info = cls.from_pretrained(str(d), device_map="meta", output_loading_info=True)
+                _, info = cls.from_pretrained(str(d), device_map="meta", output_loading_info=True,
+                                              ignore_mismatched_sizes=True)  # report them, do not stop
             finally:
                 logging.getLogger("transformers").setLevel(previous)
     except Exception as e:  # any refusal of transformers is the answer to report
@@ -103,6 +104,7 @@ def verify_with_transformers(directory: "str | Path") -> TransformersReport:
             report.mismatched.append(f"{name}: file {list(file_shape)} vs model {list(model_shape)}")
         else:
             report.mismatched.append(str(item))
+    report.mismatched.sort()
     declared = config.get("dtype") or config.get("torch_dtype")
     if isinstance(declared, str):
         try:

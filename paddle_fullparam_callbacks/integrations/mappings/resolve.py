@@ -78,6 +78,9 @@ def _repair_framework_mapping(cfg: dict, tied: bool, source_keys: Iterable[str])
     if "lm_head.weight" in set(source_keys) and not tied and any(_LM_HEAD_DROP.match(s) for s in statements):
         statements = [("lm_head.weight -> lm_head.weight" if _LM_HEAD_DROP.match(s) else s) for s in statements]
         repairs.append("lm_head.weight exported (the model's LM head is its own weight; the mapping dropped it)")
+    statements, idle = _drop_inapplicable(statements, set(source_keys))
+    if idle:
+        repairs.append(f"{len(idle)} statement(s) about tensors this model does not have removed, e.g. {idle[0]!r}")
     cast = [s for s in statements if _CAST.search(s)]
     if cast:
         statements = [_CAST.sub("", s) for s in statements]
@@ -106,6 +109,63 @@ def _load_mapping_file(path: Path) -> dict:
             f"mapping file {str(path)!r} must hold a list of statements or {{'aoa_statements': [...], 'aoa_config_reverse': bool}}",
         )
     return {"aoa_statements": list(obj["aoa_statements"]), "aoa_config_reverse": bool(obj.get("aoa_config_reverse", False))}
+
+
+_PLACEHOLDER = re.compile(r"\$[A-Z_]+")
+
+
+def _names(side: str) -> List[str]:
+    """Variable names of one side of a statement (attributes such as ``axis=1`` and macro tags left out)."""
+    out = []
+    for token in side.split(","):
+        token = token.strip()
+        if token and "=" not in token and "." in token:
+            out.append(token[:-2] if token.endswith("^T") else token)
+    return out
+
+
+def _drop_inapplicable(statements: List[str], sources: set) -> Tuple[List[str], List[str]]:
+    """Statements whose inputs this model can never have, removed.
+
+    PaddleFormers 1.2's Ernie4_5_Moe mapping writes per-layer statements for its shared experts
+    even when ``moe_num_shared_experts=0`` (AOAEngine then fails: "... should be assigned
+    before"). Inputs are sources or outputs of statements that apply; a ``$LAYER_ID``-style
+    statement applies to the sources its pattern matches. What is left is checked like any
+    mapping (every destination filled exactly once, no Paddle name passed through).
+    """
+    available = set(sources)
+    applies = [False] * len(statements)
+    changed = True
+    while changed:
+        changed = False
+        for i, stmt in enumerate(statements):
+            if applies[i] or "->" not in stmt:
+                continue
+            left, right = stmt.split("->", 1)
+            ins, outs = _names(left), _names(right)
+            if not ins:
+                applies[i] = True
+                continue
+            if _PLACEHOLDER.search(ins[0]):
+                rx = re.compile("^" + _PLACEHOLDER.sub(r"(\\d+)", re.escape(ins[0]).replace(r"\$", "$")) + "$")
+                ids = [m.groups() for m in map(rx.match, available) if m]
+                if not ids:
+                    continue
+                for groups in ids:
+                    for out in outs:
+                        name = out
+                        for g in groups:
+                            name = _PLACEHOLDER.sub(g, name, count=1)
+                        available.add(name)
+            elif all(n in available for n in ins):
+                available.update(outs)
+            else:
+                continue
+            applies[i] = changed = True
+    idle = [s for s, ok in zip(statements, applies) if not ok and "->" in s and not _PLACEHOLDER.search(s)]
+    # placeholder statements that match nothing are harmless (AOAEngine expands them to nothing): keep them
+    kept = [s for s, ok in zip(statements, applies) if ok or "->" not in s or _PLACEHOLDER.search(s)]
+    return kept, idle
 
 
 def _from_preset(preset: Preset, ctx: MappingContext) -> ResolvedMapping:
