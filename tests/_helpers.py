@@ -85,17 +85,19 @@ def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
     )
 
 
-def paddle_logits(model, input_ids: np.ndarray) -> np.ndarray:
+def paddle_logits(model, input_ids: np.ndarray, mode: str = "eval") -> np.ndarray:
+    """Paddle's float32 logits; ``mode="train"`` for a model whose eval-mode forward is known to be
+    wrong (PaddleFormers 1.2's GPT-OSS; tiny configs have no dropout, so both modes agree)."""
     import paddle
 
-    model.eval()
+    model.train() if mode == "train" else model.eval()
     with paddle.no_grad():
         out = model(paddle.to_tensor(input_ids))
     if hasattr(out, "logits"):
         out = out.logits
     elif isinstance(out, (tuple, list)):
         out = out[0]
-    return out.numpy()
+    return out.astype("float32").numpy()
 
 
 def listing(path) -> list:

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parents[1]))
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1])]
 
+from _helpers import paddle_logits  # noqa: E402
 from case import ZooCase, all_cases  # noqa: E402
 
 STEPS = 3
@@ -119,21 +119,6 @@ def set_row(model, row: int) -> None:
         weight[row] = paddle.full([weight.shape[1]], 0.5, dtype=weight.dtype)
 
 
-def logits_of(model, ids: np.ndarray, mode: str = "eval") -> np.ndarray:
-    """Paddle's logits; ``mode="train"`` for a model whose eval-mode forward is known to be wrong
-    (the tiny configs have no dropout, so both modes compute the same function)."""
-    import paddle
-
-    model.train() if mode == "train" else model.eval()
-    with paddle.no_grad():
-        out = model(paddle.to_tensor(ids))
-    if hasattr(out, "logits"):
-        out = out.logits
-    elif isinstance(out, (tuple, list)):
-        out = out[0]
-    return out.astype("float32").numpy()
-
-
 def train_with_callback(case: ZooCase, model, work: Path):
     from paddle_fullparam_callbacks import FullParamExportCallback
     from paddle_fullparam_callbacks.cli.demo import TokenDataset, make_trainer, trainer_args
@@ -171,7 +156,7 @@ def reload_logits(case: ZooCase, snapshot: Path, ids: np.ndarray, mode: str) -> 
         model = cls.from_pretrained(str(snapshot), convert_from_hf=True, dtype="float32")
     else:
         model = cls.from_pretrained(str(snapshot), convert_from_torch=True, dtype="float32")
-    return logits_of(model, ids, mode)
+    return paddle_logits(model, ids, mode)
 
 
 def run_case(case: ZooCase, out: Path) -> dict:
@@ -211,7 +196,7 @@ def run_case(case: ZooCase, out: Path) -> dict:
         ids = input_ids(config, without=row if (row is not None and tied) else None)
         np.save(work / "ids.npy", ids)
         mode = case.extra.get("forward_mode", "eval")
-        logits = logits_of(model, ids, mode)
+        logits = paddle_logits(model, ids, mode)
         np.save(work / "logits.npy", logits)
         entry["ids"], entry["logits"] = str(work / "ids.npy"), str(work / "logits.npy")
         if snapshot is not None:

@@ -60,3 +60,24 @@ def check_case(case, entry: dict, hf: dict) -> None:
             assert entry.get("reload_error") or entry["reload_max_abs_diff"] > TOLERANCE, entry
     for expected in case.extra.get("repairs", ()):
         assert any(expected in r for r in notes.get("mapping_repairs", [])), notes
+
+
+def zoo_tests(framework: str):
+    """(fixture, test) for a test module of one environment: the two halves run once per module,
+    then one test per case."""
+    import pytest
+
+    from case import all_cases
+
+    cases = all_cases(framework)
+
+    @pytest.fixture(scope="module")
+    def zoo(tmp_path_factory, hf_python):
+        return run_suite(framework, tmp_path_factory.mktemp("zoo"), hf_python)
+
+    @pytest.mark.parametrize("case", cases, ids=[c.id for c in cases])
+    def test_zoo(zoo, case):
+        results, hf = zoo
+        check_case(case, results[case.id], hf[case.id])
+
+    return zoo, test_zoo
