@@ -102,3 +102,50 @@ def test_best_by_metric_in_paddlenlp_trainer(tmp_path):
     assert listing(out) == ["best", "hf-step-000004", "hf-step-000008", "latest"]
     assert (out / "best").read_text().strip() == "hf-step-000004"
     assert verify_snapshot(out / "hf-step-000004").ok
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_fused_layouts_under_tensor_parallelism_follow_paddlenlps_own_split(tp):
+    """The global fused tensors of a tensor-parallel PaddleNLP Llama (each rank's slice cut by
+    PaddleNLP's own split actions, side by side as sharded_state_dict's offsets describe them) map
+    to the same HF q/k/v and gate/up as the single-process tensors."""
+    import paddle
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
+    from paddlenlp.transformers import LlamaConfig, LlamaForCausalLM
+
+    from paddle_fullparam_callbacks.assemble.local import assemble_destination, slice_of
+    from paddle_fullparam_callbacks.assemble.mapping import build_destination_map
+    from paddle_fullparam_callbacks.integrations.mappings import PRESETS, MappingContext
+
+    H, inter, heads, kv = 64, 128, 8, 4
+    hd = H // heads
+    rng = np.random.default_rng(tp)
+    ref = {"llama.layers.0.mlp.gate_up_fused_proj.weight": rng.normal(size=(H, 2 * inter)).astype("float32"),
+           "llama.layers.0.self_attn.qkv_proj.weight": rng.normal(size=(H, (heads + 2 * kv) * hd)).astype("float32")}
+    cfg = LlamaConfig(hidden_size=H, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
+                      num_hidden_layers=1, vocab_size=512, fuse_attention_qkv=True, fuse_attention_ffn=True,
+                      tensor_parallel_degree=tp)
+    glob = {}
+    for key, full in ref.items():
+        pieces = []
+        for r in range(tp):
+            cfg.tensor_parallel_rank = r
+            split = LlamaForCausalLM._get_tensor_parallel_mappings(cfg, is_split=True).get(key[len("llama."):])
+            pieces.append(split(full) if (split is not None and tp > 1) else full)
+        glob[key] = np.concatenate(pieces, axis=1)
+    ctx = MappingContext({"hidden_size": H, "num_attention_heads": heads, "num_key_value_heads": kv}, False,
+                         {k: v.shape for k, v in glob.items()}, {"tensor_parallel_degree": tp})
+    stmts = [s for s in PRESETS["llama_paddlenlp"].statements(ctx) if "gate_up" in s or "qkv" in s or "__tmp__" in s]
+    info = {k: [ShardedWeightDesc(k, v.shape, v.shape, (0, 0), "float32")] for k, v in glob.items()}
+    dmap = build_destination_map(info, {"aoa_statements": stmts})
+    tensors = {k: paddle.to_tensor(v) for k, v in glob.items()}
+    got = {n: assemble_destination(n, dmap, lambda d: slice_of(tensors[d.key], d.global_offset, d.local_shape)).numpy()
+           for n in dmap.names}
+    gu = ref["llama.layers.0.mlp.gate_up_fused_proj.weight"]
+    per_group = ref["llama.layers.0.self_attn.qkv_proj.weight"].reshape(H, kv, heads // kv + 2, hd)  # PaddleNLP's forward
+    want = {"mlp.gate_proj": gu[:, :inter].T, "mlp.up_proj": gu[:, inter:].T,
+            "self_attn.q_proj": per_group[:, :, : heads // kv].reshape(H, -1).T,
+            "self_attn.k_proj": per_group[:, :, -2].reshape(H, -1).T, "self_attn.v_proj": per_group[:, :, -1].reshape(H, -1).T}
+    assert sorted(got) == sorted(f"model.layers.0.{k}.weight" for k in want)
+    for k, v in want.items():
+        assert np.array_equal(got[f"model.layers.0.{k}.weight"], v), k

@@ -134,6 +134,14 @@ def _generic_defaults(config) -> dict:
     return {}
 
 
+def parallel_degrees(config) -> dict:
+    """The parallel-degree keys of the model config as the job built it (e.g. tensor_parallel_degree)."""
+    if config is None:
+        return {}
+    return {k: v for k, v in _config_dict(config).items() if _PARALLEL_KEY.match(k) and isinstance(v, int)
+            and not isinstance(v, bool)}
+
+
 def single_process_config(config) -> dict:
     """The model config as the framework's single-process ``save_pretrained`` would describe it.
 
@@ -272,7 +280,8 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
         shapes = {k: tuple(sw.global_shape) for k, sw in sd.items()}
         model_config = getattr(model, "config", None)
         resolved = resolve_mapping(config.export.aoa, model, shapes, tied=tied,
-                                   config=single_process_config(model_config) if model_config is not None else None)
+                                   config=single_process_config(model_config) if model_config is not None else None,
+                                   parallel=parallel_degrees(model_config))
         notes["mapping"] = resolved.source
         if resolved.repairs:
             notes["mapping_repairs"] = resolved.repairs

@@ -13,7 +13,7 @@ Statement helpers here are small string builders; a preset module reads as a lis
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 LAYER = "$LAYER_ID"  # AOAEngine expands it over every layer index present in the source names
@@ -22,11 +22,14 @@ LAYER = "$LAYER_ID"  # AOAEngine expands it over every layer index present in th
 @dataclass(frozen=True)
 class MappingContext:
     """What a preset may look at: the model config (as a dict), whether the output embedding is the
-    input embedding, and the source tensors (name -> global shape)."""
+    input embedding, the source tensors (name -> global shape) and the parallel degrees."""
 
     config: dict
     tied: bool
     shapes: Dict[str, Tuple[int, ...]]
+    # the parallel degrees the model was built with (``config`` holds the single-process values):
+    # a fused tensor's global layout can depend on them, e.g. {"tensor_parallel_degree": 2}
+    parallel: Dict[str, int] = field(default_factory=dict)
 
     def has(self, key: str) -> bool:
         return key in self.shapes

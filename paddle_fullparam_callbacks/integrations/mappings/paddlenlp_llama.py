@@ -102,22 +102,8 @@ def _llama_fused_qkv(ctx: MappingContext, src: str, dst: str, preset: str) -> Li
 
 
 def _tensor_parallel_degree(ctx: MappingContext) -> int:
-    """The tensor-parallel degree the model was built with.
-
-    The package's ``single_process_config`` drops ``tensor_parallel_degree`` from ``ctx.config``, so
-    fall back to the live hybrid group of this (training) process: PaddleNLP builds its parallel
-    Linears with the group's model-parallel size.
-    """
-    value = ctx.config.get("tensor_parallel_degree")
-    if value:
-        return int(value)
-    try:
-        from paddle.distributed import fleet
-
-        hcg = fleet.get_hybrid_communicate_group()
-        return int(hcg.get_model_parallel_world_size()) if hcg is not None else 1
-    except Exception:  # fleet not initialised: one process
-        return 1
+    """The tensor-parallel degree the model was built with (PaddleNLP's ``tensor_parallel_degree``)."""
+    return int(ctx.parallel.get("tensor_parallel_degree") or 1)
 
 
 def _llama_fused_ffn(ctx: MappingContext, src: str, dst: str, preset: str) -> List[str]:

@@ -173,14 +173,14 @@ def _from_preset(preset: Preset, ctx: MappingContext) -> ResolvedMapping:
 
 
 def resolve_mapping(spec, model, shapes: Dict[str, Tuple[int, ...]], tied: bool = False,
-                    config: Optional[dict] = None) -> ResolvedMapping:
+                    config: Optional[dict] = None, parallel: Optional[Dict[str, int]] = None) -> ResolvedMapping:
     """Turn ``export.aoa`` into the AOA config for ``model``.
 
     ``spec``: 'auto' | preset name | path to .json/.yaml | list of statements. ``shapes``: source
     tensor name -> global shape. ``tied``: the output embedding really is the input embedding (then
     lm_head.weight is not exported). ``config``: the model config as a dict (for presets).
     """
-    ctx = MappingContext(dict(config or {}), tied, dict(shapes))
+    ctx = MappingContext(dict(config or {}), tied, dict(shapes), dict(parallel or {}))
     if isinstance(spec, (list, tuple)):
         return ResolvedMapping({"aoa_statements": list(spec)}, "export.aoa statements")
     model_config = getattr(model, "config", None)
