@@ -76,6 +76,9 @@ def _key_of(sharded_state_dict, tensor) -> Optional[str]:
     return None
 
 
+_LM_HEAD = re.compile(r"(.*\.)?lm_head\.(decoder_)?weight$")
+
+
 def output_embedding(model, sharded_state_dict) -> Tuple[Optional[str], bool]:
     """(the LM head's key in the sharded state dict, whether it *is* the input embedding).
 
@@ -86,8 +89,9 @@ def output_embedding(model, sharded_state_dict) -> Tuple[Optional[str], bool]:
     config = getattr(model, "config", None)
     claimed = bool(getattr(config, "tie_word_embeddings", False))
     inp, out = _embedding(model, "input"), _embedding(model, "output")
-    if out is None:  # no accessor: a parameter of the model's lm_head, if it has one
-        out = next((sw.local_tensor for k, sw in sharded_state_dict.items() if re.match(r"(.*\.)?lm_head\.", k)), None)
+    if out is None:  # no accessor: the matrix of the model's lm_head, if it has one
+        heads = (sw.local_tensor for k, sw in sharded_state_dict.items() if _LM_HEAD.match(k))
+        out = next(heads, None)
     if inp is None or out is None:
         # nothing to compare: the claim stands (a preset refuses a claim its architecture contradicts)
         return None, claimed
@@ -211,21 +215,17 @@ def embedding_padding_row(model, sharded_state_dict) -> Optional[Tuple[str, int]
     """(source key, row) when the input embedding has a Paddle ``padding_idx``: Paddle returns
     zeros for that id whatever the row holds; torch returns the row."""
     try:
-        emb = model.get_input_embeddings()
+        pad = getattr(model.get_input_embeddings(), "_padding_idx", None)
     except (AttributeError, NotImplementedError):
         return None
-    weight = getattr(emb, "weight", None)
-    pad = getattr(emb, "_padding_idx", None)
-    if weight is None or pad is None or isinstance(pad, bool):
+    weight = _embedding(model, "input")
+    key = _key_of(sharded_state_dict, weight) if weight is not None else None
+    if pad is None or isinstance(pad, bool) or key is None:
         return None
-    rows = int(weight.shape[0])
-    row = int(pad) if pad >= 0 else rows + int(pad)
-    for key, sw in sharded_state_dict.items():
-        if sw.local_tensor is weight:
-            if tuple(sw.global_shape) != tuple(sw.local_shape):
-                return None  # sharded over ranks: Paddle's parallel embeddings have no padding index
-            return key, row
-    return None
+    sw = sharded_state_dict[key]
+    if tuple(sw.global_shape) != tuple(sw.local_shape):
+        return None  # sharded over ranks: Paddle's parallel embeddings have no padding index
+    return key, int(pad) if pad >= 0 else int(weight.shape[0]) + int(pad)
 
 
 def _check_mapping(dmap, resolved, spec, tied: bool, lm_head_source: Optional[str]) -> None:

@@ -5,7 +5,7 @@ wrong one, a :class:`~.base.Preset` of this package takes its place, picked by c
 """
 from . import paddleformers  # noqa: F401  (registers its presets)
 from . import paddlenlp_llama  # noqa: F401
-from . import paddlenlp_gpt  # noqa: F401
+from . import paddlenlp_bloom_falcon, paddlenlp_gpt, paddlenlp_opt_ctrl  # noqa: F401
 from .base import AUTO, PRESETS, MappingContext, Preset
 from .resolve import ResolvedMapping, check_destination_names, resolve_mapping
 
