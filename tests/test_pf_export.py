@@ -102,14 +102,37 @@ def test_retention_and_latest(tmp_path):
     assert (tmp_path / "latest").read_text().strip() == "hf-step-000030"
 
 
-def test_re_export_of_same_step_replaces_atomically(tmp_path):
+def _session(out, resume=False):
+    cfg = load_config(None, [f"output_dir={out}"])
+    session = ExportSession(cfg, out)
+    session.start(resume=resume)
+    return cfg, session
+
+
+def test_re_export_of_same_step_replaces_atomically_within_a_run_and_a_resumed_run(tmp_path):
     model = make_tiny_llama(seed=8)
-    first = _export(model, tmp_path, step=5)
+    cfg, session = _session(tmp_path)
+    first = session.export(build_model_source(model, cfg), 5)
     with paddle.no_grad():
         for p in model.parameters():
             p.set_value(p + 1.0)
-    second = _export(model, tmp_path, step=5)
+    second = session.export(build_model_source(model, cfg), 5)  # e.g. on_save after every_n_steps
     assert first.path == second.path and verify_snapshot(second.path).ok
+    assert listing(tmp_path) == ["hf-step-000005", "latest"]
+    run = json.loads((second.path / "fullparam_manifest.json").read_text())["run"]
+    assert run["seq"] == 2
+    session.close()
+    # a job resumed from a checkpoint continues the run: it replaces the step it re-exports
+    cfg, resumed = _session(tmp_path, resume=True)
+    third = resumed.export(build_model_source(model, cfg), 5)
+    assert json.loads((third.path / "fullparam_manifest.json").read_text())["run"] == {"id": run["id"], "seq": 3}
+    resumed.close()
+    # a new run never replaces another run's snapshot: one clear error, nothing touched
+    before = (third.path / "fullparam_manifest.json").read_bytes()
+    cfg, fresh = _session(tmp_path)
+    with pytest.raises(ExportError, match=rf"holds a snapshot of another run \(run {run['id']}, step 5\)"):
+        fresh.export(build_model_source(model, cfg), 5)
+    assert (third.path / "fullparam_manifest.json").read_bytes() == before
     assert listing(tmp_path) == ["hf-step-000005", "latest"]
 
 

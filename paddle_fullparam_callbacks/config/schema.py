@@ -136,8 +136,12 @@ class RetentionConfig:
     """The tracked evaluation metric, e.g. eval_loss; `best` points at the top snapshot."""
     mode: str = "min"
     """min | max: whether a smaller or a larger metric is better."""
+    other_runs: str = "keep"
+    """keep | delete: snapshots committed by another run in output_dir (an earlier job that was not
+    resumed): kept, never replaced (keep), or counted by retention and replaceable (delete)."""
 
     def __post_init__(self):
+        _check_choice("retention.other_runs", self.other_runs, ("keep", "delete"))
         for key in ("keep_last", "keep_best"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

@@ -55,7 +55,7 @@ def clean_metrics(metrics) -> dict:
 
 
 def build_manifest(*, name, step, reason, metrics, config, plan: ExportPlan, files: Dict[str, tuple], timings, framework, topology=None,
-                   model=None) -> dict:
+                   model=None, run=None) -> dict:
     total = sum(b for b, _ in files.values())
     return {
         "manifest_version": MANIFEST_VERSION,
@@ -67,6 +67,7 @@ def build_manifest(*, name, step, reason, metrics, config, plan: ExportPlan, fil
         "export_format": config.export.format,
         "dtype": config.export.dtype,
         "framework": framework,
+        "run": run or {},
         "model": model or {},
         "num_tensors": plan.num_tensors,
         "tensor_bytes": plan.total_tensor_bytes,

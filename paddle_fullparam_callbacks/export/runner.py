@@ -25,6 +25,7 @@ import os
 import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -47,6 +48,9 @@ from .. import _faults
 from . import commit
 from .distributed import LocalContext
 from .exporters import Exporter, make_exporter
+from .lock import release_on_signals
+from .ownership import read_manifest
+from .retention import apply_retention, newest_run, next_seq, update_best
 from .host import with_zero_row
 from .manifest import build_manifest, clean_metrics, describe_files, dominant_float_dtype
 
@@ -147,6 +151,10 @@ def _progress(show: bool, total: int, name: str):
     return tqdm(total=total, unit="B", unit_scale=True, desc=f"export {name}", delay=2.0, leave=False)
 
 
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
 def _digest(obj) -> str:
     return hashlib.sha256(repr(obj).encode()).hexdigest()[:16]
 
@@ -163,28 +171,68 @@ class ExportSession:
         self._pending: Optional[_Job] = None
         self._atexit_registered = False
         self._ring = None
+        self._lock = None
+        self.is_open = False  # between start() and close()
         self.pattern = snapshot_step_pattern(config.export.name_template)
+        self.run_id, self._seq = new_run_id(), 1  # settled by start()
 
-    def start(self) -> List[str]:
-        """Check output_dir and remove leftovers of interrupted exports (coordinator); all ranks call it."""
+    def start(self, resume: bool = False) -> List[str]:
+        """Check output_dir, take its lock, remove leftovers of interrupted exports that are provably
+        this package's, and settle this job's run (coordinator); all ranks call it.
+
+        ``resume``: the trainer resumed from a checkpoint; the job continues the run of the newest
+        snapshot here (re-exporting its steps replaces them). Otherwise it is a new run, which never
+        replaces or deletes another run's snapshots (unless ``retention.other_runs: delete``).
+        """
         removed: List[str] = []
-        error = None
+        error, run = None, (new_run_id(), 1)
         if self.ctx.is_coordinator and self.config.export.format != "callable":
             try:
                 commit.check_output_dir(self.output_dir)
+                commit.check_pointers(self.output_dir)
                 # one job per output_dir: only then are leftovers surely ours to remove
-                commit.acquire_lock(self.output_dir)
-                atexit.register(commit.release_lock, self.output_dir)
-                removed = commit.cleanup_stale(self.output_dir)
+                self._lock = commit.acquire_lock(self.output_dir, owner="another export session", holder=self)
+                release_on_signals(self._lock)
+                atexit.register(self._lock.release)
+                removed, _ = commit.cleanup_stale(self.output_dir)
+                run_id = (newest_run(self.output_dir, self.pattern) if resume else None) or run[0]
+                run = (run_id, next_seq(self.output_dir, self.pattern, run_id))
             except (OSError, commit.OutputDirLocked) as e:
                 error = (type(e).__name__, str(e))
-        errors = [e for e in self.ctx.all_gather_object(error) if e]
+        gathered = self.ctx.all_gather_object((error, run))
+        errors = [e for e, _ in gathered if e]
         if errors:
             kind, message = errors[0]
             raise (commit.OutputDirLocked if kind == "OutputDirLocked" else OSError)(message)
+        self.run_id, self._seq = gathered[self.ctx.coordinator][1]
+        self.is_open = True
         if removed:
             logger.info("removed %d leftover(s) of interrupted exports in %s: %s", len(removed), self.output_dir, removed)
         return removed
+
+    def close(self) -> None:
+        """Finish a pending background export and release the output directory (also done at exit)."""
+        self.wait_pending()
+        self.is_open = False
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _check_target(self, final: Path) -> None:
+        """What is at a snapshot's name may be replaced only if it is this run's snapshot."""
+        if not (final.exists() or final.is_symlink()):
+            return
+        manifest = None if final.is_symlink() else read_manifest(final)
+        if manifest is None:
+            raise FileExistsError(
+                f"{str(final)!r} exists and is not a snapshot of this package; refusing to replace it (nothing of it "
+                "was touched). Move it away, or choose another export.name_template or output_dir")
+        run = manifest.get("run") if isinstance(manifest.get("run"), dict) else {}
+        if run.get("id") != self.run_id and self.config.retention.other_runs != "delete":
+            raise FileExistsError(
+                f"{str(final)!r} holds a snapshot of another run (run {run.get('id')}, step {manifest.get('step')}); "
+                "this run does not replace it. Use another output_dir, put a run name into export.name_template, "
+                "or set retention.other_runs=delete")
 
     # ---- planning ----------------------------------------------------------------------
     def prepare(self, source: ModelSource, sharded_state_dict: Optional[dict] = None) -> _Prepared:
@@ -312,7 +360,8 @@ class ExportSession:
         if exporter.writes_files and ctx.is_coordinator:
             try:
                 commit.check_output_dir(out_dir)
-                staging = commit.new_staging_dir(out_dir, name)
+                self._check_target(out_dir / name)
+                staging = commit.new_staging_dir(out_dir, name, self.run_id)
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
         first = ctx.all_gather_object((str(staging) if staging else None, error))[ctx.coordinator]
@@ -501,6 +550,7 @@ class ExportSession:
             name=name, step=job.step, reason=job.reason, metrics=job.metrics, config=self.config, plan=p.plan,
             files={**files, **extra}, timings=timings, framework=source.framework,
             model={**source.notes, **({"padding_rows_zeroed": p.zero_rows} if p.zero_rows else {})},
+            run={"id": self.run_id, "seq": self._seq},
             topology={
                 "world_size": topo.world_size, "axes": [list(a) for a in topo.axes],
                 "sharding_stage": topo.sharding_stage, "meshes": [[list(r) for r in m.rows] for m in topo.meshes],
@@ -512,6 +562,7 @@ class ExportSession:
         commit.write_json_durable(staging / commit.MANIFEST, manifest)
         _faults.point("rename")
         commit.commit_staging(staging, job.out_dir, name)
+        self._seq += 1
         _faults.point("latest")
         if not job.pointers:
             return
@@ -522,10 +573,10 @@ class ExportSession:
         """Point ``best`` at the best snapshot by the tracked metric, then apply retention."""
         ret = self.config.retention
         _faults.point("best")
-        commit.update_best(self.output_dir, self.pattern, ret.metric, ret.mode)
+        update_best(self.output_dir, self.pattern, ret.metric, ret.mode, self.run_id, ret.other_runs)
         _faults.point("retention")
-        removed = commit.apply_retention(self.output_dir, self.pattern, ret.keep_last, protect=[name],
-                                         keep_best=ret.keep_best, metric=ret.metric, mode=ret.mode)
+        removed = apply_retention(self.output_dir, self.pattern, ret.keep_last, protect=[name], keep_best=ret.keep_best,
+                                  metric=ret.metric, mode=ret.mode, run_id=self.run_id, other_runs=ret.other_runs)
         if removed:
             logger.info("retention (keep_last=%d, keep_best=%d) removed %s", ret.keep_last, ret.keep_best, removed)
 

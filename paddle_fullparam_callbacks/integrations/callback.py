@@ -25,6 +25,7 @@ from ..config.schema import FullParamConfig
 from ..export.runner import ExportError, ExportSession, SnapshotInfo
 from ..plan.decisions import Decision, decide
 from .model_info import build_model_source
+from .trainer_paths import check_trainer_paths
 from .topology import build_context
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
@@ -81,16 +82,18 @@ class FullParamExportCallback:
         base = getattr(args, "output_dir", None) or "."
         return Path(base) / "fullparam"
 
-    def _setup(self, args, model, tokenizer) -> None:
+    def _setup(self, args, state, model, tokenizer) -> None:
         """Validate everything (output dir, mapping, plan) and create the groups, before the first step.
 
-        Collective: every rank of the job calls it, at on_train_begin.
+        Collective: every rank of the job calls it, at on_train_begin. A trainer that starts at a
+        step > 0 resumed from a checkpoint: the job continues the run of the snapshots there.
         """
-        if self.session is not None:
+        if self.session is not None and self.session.is_open:
             return
+        check_trainer_paths(self.config, self._output_dir(args), getattr(args, "output_dir", None))
         ctx = build_context(args, self.config.topology.sharding_stage)
         session = ExportSession(self.config, self._output_dir(args), fn=self.fn, ctx=ctx)
-        session.start()
+        session.start(resume=bool(getattr(state, "global_step", 0)))
         self._source = build_model_source(model, self.config, tokenizer)
         session.prepare(self._source)
         self.session = session
@@ -98,7 +101,7 @@ class FullParamExportCallback:
     # ---- events ----------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, tokenizer=None, **kwargs):
         if self.config.enabled and model is not None:
-            self._setup(args, model, tokenizer if tokenizer is not None else kwargs.get("processing_class"))
+            self._setup(args, state, model, tokenizer if tokenizer is not None else kwargs.get("processing_class"))
 
     def on_step_end(self, args, state, control, **kwargs):
         n = self.config.trigger.every_n_steps
@@ -119,14 +122,18 @@ class FullParamExportCallback:
         if self.config.trigger.on_train_end:
             self._event(args, state, kwargs, "train_end")
         self._finish_pending(state)
+        if self.session is not None:
+            # the output directory is this training's while it runs; a later train() (a resume in
+            # the same process) sets up again
+            self.session.close()
 
     def export_into_checkpoint(self, args, state, model, tokenizer=None) -> Optional[SnapshotInfo]:
         """The checkpoint hook: the snapshot of this step goes into ``<output_dir>/checkpoint-N/<subdir>``,
         committed atomically like any snapshot, so the trainer's rotation removes both together."""
         if not self.config.enabled:
             return None
-        if self.session is None:
-            self._setup(args, model, tokenizer)
+        if self.session is None or not self.session.is_open:
+            self._setup(args, state, model, tokenizer)
         step = int(state.global_step)
         ckpt = Path(args.output_dir) / f"checkpoint-{step}"
         self._finish_pending(state)
@@ -157,11 +164,11 @@ class FullParamExportCallback:
     def _event(self, args, state, kwargs, reason: str, metrics: Optional[dict] = None) -> Optional[SnapshotInfo]:
         if not self.config.enabled:
             return None
-        if self.session is None:
+        if self.session is None or not self.session.is_open:
             model = kwargs.get("model")
             if model is None:
                 return None
-            self._setup(args, model, kwargs.get("tokenizer") or kwargs.get("processing_class"))
+            self._setup(args, state, model, kwargs.get("tokenizer") or kwargs.get("processing_class"))
         step = int(state.global_step)
         d = self._decide(reason, step, metrics)
         self.decisions.append(f"{d.reason}@{step}")

@@ -60,6 +60,7 @@ class Candidate:
     name: str
     step: int
     metric: Optional[float]
+    order: int = 0  # commit order (later commits are newer, whatever their step)
 
 
 def best_of(snapshots: Sequence[Candidate], mode: str) -> Optional[Candidate]:
@@ -73,7 +74,8 @@ def best_of(snapshots: Sequence[Candidate], mode: str) -> Optional[Candidate]:
 
 def to_remove(snapshots: Sequence[Candidate], keep_last: int, keep_best: int, mode: str,
               protected: Iterable[str] = ()) -> List[str]:
-    """Names to delete: not among the newest ``keep_last``, not among the best ``keep_best``, not protected.
+    """Names to delete: not among the newest ``keep_last`` commits, not among the best ``keep_best``,
+    not protected.
 
     With both limits 0 nothing is removed.
 
@@ -84,11 +86,11 @@ def to_remove(snapshots: Sequence[Candidate], keep_last: int, keep_best: int, mo
     if not keep_last and not keep_best:
         return []
     keep = set(protected)
-    by_step = sorted(snapshots, key=lambda s: s.step)
+    by_commit = sorted(snapshots, key=lambda s: (s.order, s.step))
     if keep_last:
-        keep |= {s.name for s in by_step[-keep_last:]}
+        keep |= {s.name for s in by_commit[-keep_last:]}
     if keep_best:
         sign = 1 if mode == "min" else -1
         scored = [s for s in snapshots if s.metric is not None and not math.isnan(s.metric)]
         keep |= {s.name for s in sorted(scored, key=lambda s: (sign * s.metric, -s.step))[:keep_best]}
-    return [s.name for s in by_step if s.name not in keep]
+    return [s.name for s in by_commit if s.name not in keep]

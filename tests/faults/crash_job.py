@@ -27,7 +27,7 @@ def main():
     cfg = load_config(None, [f"output_dir={out}", "export.max_shard_size=20KB", "export.max_pending_bytes=64KB",
                              "retention.keep_last=2", "retention.keep_best=1", "retention.metric=eval_loss"])
     session = ExportSession(cfg, out)
-    session.start()
+    session.start(resume=True)  # each run is the restart of the one killed before it
     source = ModelSource(sharded_state_dict=layer.sharded_state_dict, hf_config={"architectures": ["Toy"], "model_type": "toy"})
     latest = (out / "latest").read_text().strip() if (out / "latest").exists() else None
     start = int(re.search(r"(\d+)$", latest).group(1)) if latest else 1

@@ -24,7 +24,7 @@ def main():
     ctx = build_context()
     cfg = load_config(None, [f"output_dir={out}", "export.max_shard_size=2KB", "retention.keep_last=2"])
     session = ExportSession(cfg, out, ctx=ctx)
-    session.start()
+    session.start(resume=True)  # each run is the restart of the one killed before it
     source = ModelSource(sharded_state_dict=lambda: harness.sharded_state_dict(model))
     latest = ctx.all_gather_object((out / "latest").read_text().strip() if (out / "latest").exists() else None)[0]
     start = int(re.search(r"(\d+)$", latest).group(1)) if latest else 1

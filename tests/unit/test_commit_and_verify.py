@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paddle_fullparam_callbacks.export import commit
+from paddle_fullparam_callbacks.export import commit, ownership, retention
 from paddle_fullparam_callbacks.export.manifest import describe_files
 from paddle_fullparam_callbacks.export.safetensors_io import SnapshotWriter
 from paddle_fullparam_callbacks.export.verify import verify_snapshot
@@ -18,24 +18,29 @@ from paddle_fullparam_callbacks.plan.naming import snapshot_step_pattern
 PATTERN = snapshot_step_pattern("hf-step-{step:06d}")
 
 
-def make_snapshot(output_dir: Path, step: int, n: int = 6, shard: int = 200) -> Path:
+RUN = "run-a"
+
+
+def make_snapshot(output_dir: Path, step: int, n: int = 6, shard: int = 200, run: str = RUN, seq=None) -> Path:
     """A real committed snapshot: shards through the writer, index, manifest last, rename."""
     specs = [TensorSpec(f"layers.{i}.w", (4, 8), "float32") for i in range(n)]
     plan = build_export_plan(specs, shard)
-    staging = commit.new_staging_dir(output_dir, f"hf-step-{step:06d}")
+    staging = commit.new_staging_dir(output_dir, f"hf-step-{step:06d}", run)
     w = SnapshotWriter(plan, staging)
     for s in specs:
         w.put(s.name, np.full(s.shape, step, np.float32))
     files = {k: (v.bytes, v.sha256) for k, v in w.close().items()}
     commit.write_json_durable(staging / commit.INDEX, plan.index())
     files.update(describe_files(staging, [commit.INDEX]))
-    manifest = {"step": step, "num_tensors": n, "files": {k: {"bytes": b, "sha256": h} for k, (b, h) in files.items()}}
+    manifest = {"manifest_version": 1, "step": step, "num_tensors": n, "created_unix": __import__("time").time(),
+                "run": {"id": run, "seq": step if seq is None else seq},
+                "files": {k: {"bytes": b, "sha256": h} for k, (b, h) in files.items()}}
     commit.write_json_durable(staging / commit.MANIFEST, manifest)
     return commit.commit_staging(staging, output_dir, f"hf-step-{step:06d}")
 
 
 def test_commit_refuses_a_staging_dir_without_manifest(tmp_path):
-    staging = commit.new_staging_dir(tmp_path, "hf-step-000001")
+    staging = commit.new_staging_dir(tmp_path, "hf-step-000001", RUN)
     with pytest.raises(RuntimeError, match="no fullparam_manifest.json"):
         commit.commit_staging(staging, tmp_path, "hf-step-000001")
     assert not (tmp_path / "hf-step-000001").exists()
@@ -44,19 +49,52 @@ def test_commit_refuses_a_staging_dir_without_manifest(tmp_path):
 def test_listing_ignores_dirs_without_manifest_and_staging(tmp_path):
     make_snapshot(tmp_path, 10)
     (tmp_path / "hf-step-000020").mkdir()  # looks like a snapshot, has no manifest
-    commit.new_staging_dir(tmp_path, "hf-step-000030")
-    assert [s.name for s in commit.list_snapshots(tmp_path, PATTERN)] == ["hf-step-000010"]
+    commit.new_staging_dir(tmp_path, "hf-step-000030", RUN)
+    (tmp_path / "hf-step-000040").mkdir()  # a foreign manifest (not this package's) is not a snapshot either
+    (tmp_path / "hf-step-000040" / commit.MANIFEST).write_text('{"step": 40}')
+    assert [s.name for s in retention.list_snapshots(tmp_path, PATTERN)] == ["hf-step-000010"]
 
 
-def test_cleanup_removes_leftovers_and_restores_a_displaced_snapshot(tmp_path):
+def test_cleanup_removes_only_marked_leftovers_and_restores_a_displaced_snapshot(tmp_path):
     snap = make_snapshot(tmp_path, 10)
-    commit.new_staging_dir(tmp_path, "hf-step-000011")
-    (tmp_path / ".trash-hf-step-000001-deadbeef").mkdir()
+    commit.new_staging_dir(tmp_path, "hf-step-000011", RUN)
+    trash = tmp_path / ".trash-hf-step-000001-deadbeef"
+    trash.mkdir()
+    (trash / "half-deleted.safetensors").write_bytes(b"x")
+    ownership.mark(trash, RUN)
     # a crash in the middle of a re-export: the old snapshot was moved aside, the new one not in place
     os.rename(snap, tmp_path / ".replaced-hf-step-000010-0123abcd")
-    removed = commit.cleanup_stale(tmp_path)
-    assert sorted(os.listdir(tmp_path)) == ["hf-step-000010"]
-    assert len(removed) == 2 and verify_snapshot(tmp_path / "hf-step-000010").ok
+    # the user's own files under names like ours: not provably ours, left alone
+    (tmp_path / ".tmp-other").mkdir()
+    (tmp_path / ".tmp-other" / "important.txt").write_text("mine")
+    (tmp_path / ".trash-notes.txt").write_text("mine too")
+    (tmp_path / ".latest.1234").write_text("mine")
+    removed, foreign = commit.cleanup_stale(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == [".latest.1234", ".tmp-other", ".trash-notes.txt", "hf-step-000010"]
+    assert (tmp_path / ".tmp-other" / "important.txt").read_text() == "mine"
+    assert len(removed) == 2 and sorted(foreign) == [".tmp-other", ".trash-notes.txt"]
+    assert verify_snapshot(tmp_path / "hf-step-000010").ok
+
+
+def test_deleting_a_snapshot_leaves_a_provably_ours_trash_if_interrupted(tmp_path, monkeypatch):
+    snap = make_snapshot(tmp_path, 3)
+    deleted = []
+    real = os.unlink
+
+    def crash_after_two(path, *a, **k):  # the deletion dies after two files
+        if len(deleted) == 2:
+            raise KeyboardInterrupt
+        deleted.append(path)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", crash_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        ownership.remove_snapshot(snap, RUN)
+    monkeypatch.undo()
+    (trash,) = [p for p in tmp_path.iterdir() if p.name.startswith(".trash-")]
+    assert ownership.is_marked(trash)  # the marker goes last
+    removed, foreign = commit.cleanup_stale(tmp_path)
+    assert removed == [trash.name] and foreign == [] and os.listdir(tmp_path) == []
 
 
 def test_retention_keeps_newest_and_never_the_pointer_targets(tmp_path):
@@ -64,10 +102,27 @@ def test_retention_keeps_newest_and_never_the_pointer_targets(tmp_path):
         make_snapshot(tmp_path, step)
     commit.write_pointer(tmp_path, "best", "hf-step-000001")
     commit.write_pointer(tmp_path, "latest", "hf-step-000005")
-    removed = commit.apply_retention(tmp_path, PATTERN, keep_last=2, protect=["hf-step-000003"])
+    removed = retention.apply_retention(tmp_path, PATTERN, keep_last=2, protect=["hf-step-000003"], run_id=RUN)
     assert removed == ["hf-step-000002"]
-    assert [s.step for s in commit.list_snapshots(tmp_path, PATTERN)] == [1, 3, 4, 5]
-    assert commit.apply_retention(tmp_path, PATTERN, keep_last=0) == []
+    assert [s.step for s in retention.list_snapshots(tmp_path, PATTERN)] == [1, 3, 4, 5]
+    assert retention.apply_retention(tmp_path, PATTERN, keep_last=0, run_id=RUN) == []
+
+
+def test_retention_keeps_the_newest_commits_of_its_own_run_only(tmp_path):
+    # an earlier run committed steps 100..500; this run (resumed or new) commits 100 and 200 later
+    for i, step in enumerate((100, 200, 300, 400, 500)):
+        make_snapshot(tmp_path, step, run="old", seq=i + 1)
+    new = [make_snapshot(tmp_path, step, run="new", seq=i + 1) for i, step in enumerate((10, 20, 30))]
+    removed = retention.apply_retention(tmp_path, PATTERN, keep_last=2, run_id="new")
+    assert removed == [new[0].name]  # only its own oldest commit; the old run's five stay
+    assert len(retention.list_snapshots(tmp_path, PATTERN)) == 7
+    # within a run the order is the commit order, not the step: a resumed run re-exports step 5 last
+    make_snapshot(tmp_path, 5, run="new", seq=4)
+    removed = retention.apply_retention(tmp_path, PATTERN, keep_last=2, run_id="new")
+    assert removed == ["hf-step-000020"]  # kept: 30 (seq 3) and 5 (seq 4, the newest commit)
+    # asked to: other runs' snapshots are counted too
+    removed = retention.apply_retention(tmp_path, PATTERN, keep_last=2, run_id="new", other_runs="delete")
+    assert sorted(removed) == [f"hf-step-{s:06d}" for s in (100, 200, 300, 400, 500)]
 
 
 def test_pointer_is_replaced_atomically(tmp_path):
@@ -156,11 +211,11 @@ def test_a_second_job_on_the_same_output_dir_fails_fast(tmp_path):
     # another live process holds the lock (it waits on its stdin, no sleep)
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys; from paddle_fullparam_callbacks.export import commit; "
-                               f"commit.acquire_lock(__import__('pathlib').Path({str(tmp_path)!r})); print('held', flush=True); sys.stdin.read()"],
+                               f"l = commit.acquire_lock(__import__('pathlib').Path({str(tmp_path)!r})); print('held', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        leftover = commit.new_staging_dir(tmp_path, "hf-step-000001")  # the other job's export in flight
+        leftover = commit.new_staging_dir(tmp_path, "hf-step-000001", "other")  # the other job's export in flight
         with pytest.raises(commit.OutputDirLocked, match=rf"in use by another job \(host .*, pid {holder.pid}"):
             commit.acquire_lock(tmp_path)
         assert leftover.exists()  # nothing of the other job was touched
@@ -168,10 +223,14 @@ def test_a_second_job_on_the_same_output_dir_fails_fast(tmp_path):
         holder.stdin.close()
         holder.wait(timeout=30)
     # the holder is gone: its stale lock is taken over
-    assert commit.acquire_lock(tmp_path) == tmp_path / commit.LOCK
-    assert commit.acquire_lock(tmp_path) == tmp_path / commit.LOCK  # re-entrant in one process
-    commit.release_lock(tmp_path)
+    lock = commit.acquire_lock(tmp_path)
+    assert lock.path == tmp_path / commit.LOCK
+    # a second writer in this process (another callback on the same directory) is refused too
+    with pytest.raises(commit.OutputDirLocked, match=r"already used by .* in this process"):
+        commit.acquire_lock(tmp_path)
+    lock.release()
     assert not (tmp_path / commit.LOCK).exists()
+    commit.acquire_lock(tmp_path).release()  # free again
 
 
 @pytest.mark.parametrize("damage, message", [
