@@ -1,7 +1,8 @@
 """Fault injection for the crash tests: ``PFC_FAULT_POINT=name[@n]`` kills this process with
 SIGKILL the n-th time (default 1st) it reaches ``point(name)``; with ``PFC_FAULT_RANK=r`` only on
-rank r of a launched job (``PADDLE_TRAINER_ID``). Unset (always, outside tests) it costs one
-comparison; nothing else reads it.
+rank r of a launched job (``PADDLE_TRAINER_ID``); ``PFC_FAULT_SIGNAL=TERM`` (or INT) sends that
+signal instead, as a preemption would. Unset (always, outside tests) it costs one comparison;
+nothing else reads it.
 """
 from __future__ import annotations
 
@@ -20,4 +21,4 @@ def point(name: str) -> None:
         return
     _COUNT["n"] += 1
     if _COUNT["n"] == int(_NTH or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("PFC_FAULT_SIGNAL", "KILL")))

@@ -9,6 +9,7 @@ import importlib
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
+from ..config.schema import ConfigError
 from ..plan.export_plan import ExportPlan
 from .host import detached_copy, to_host_array
 from .safetensors_io import FileResult, SnapshotWriter
@@ -99,16 +100,17 @@ class CallableExporter(Exporter):
 
 
 def load_callable(spec: str) -> Callable:
-    """'package.module:function' -> the function (imported, never evaluated)."""
+    """'package.module:function' -> the function (imported, never evaluated); a ConfigError naming
+    export.callable if it cannot be imported or is not callable (checked when the job starts)."""
     module_name, _, attr = spec.partition(":")
     try:
         obj = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"export.callable {spec!r} cannot be imported: {e}") from e
+    except Exception as e:  # the user's module may fail to import in any way
+        raise ConfigError("export.callable", f"{spec!r} cannot be imported: {type(e).__name__}: {e}") from e
     if not callable(obj):
-        raise ValueError(f"export.callable {spec!r} is not callable")
+        raise ConfigError("export.callable", f"{spec!r} is a {type(obj).__name__}, not a function")
     return obj
 
 

@@ -47,7 +47,7 @@ from ..plan.topology import WritePlan, plan_writes
 from .. import _faults
 from . import commit
 from .distributed import LocalContext
-from .exporters import Exporter, make_exporter
+from .exporters import Exporter, load_callable, make_exporter
 from .lock import release_on_signals
 from .ownership import read_manifest
 from .retention import apply_retention, newest_run, next_seq, update_best
@@ -186,6 +186,8 @@ class ExportSession:
         """
         removed: List[str] = []
         error, run = None, (new_run_id(), 1)
+        if self.config.export.format == "callable" and self.fn is None:
+            self.fn = load_callable(self.config.export.callable)  # every rank: a ConfigError now, not at the first export
         if self.ctx.is_coordinator and self.config.export.format != "callable":
             try:
                 commit.check_output_dir(self.output_dir)
@@ -345,8 +347,11 @@ class ExportSession:
         ctx, cfg = self.ctx, self.config
         out_dir = Path(into) if into is not None else self.output_dir
         name = name or format_snapshot_name(cfg.export.name_template, step)
-        exporter: Exporter = make_exporter(cfg.export, self.fn, self._host_ring())
-        sd = source.sharded_state_dict()
+        try:
+            exporter: Exporter = make_exporter(cfg.export, self.fn, self._host_ring())
+            sd = source.sharded_state_dict()
+        except Exception as e:  # the same on every rank, before any collective: through on_error
+            raise ExportError(f"export of step {step} failed before it started: {type(e).__name__}: {e}") from e
         p = self.prepare(source, sd)
         mesh_files = p.writes.files_of_mesh(ctx.mesh.index)
         my_files = p.writes.files_of_rank(ctx.rank)
