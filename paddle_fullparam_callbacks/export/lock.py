@@ -72,11 +72,15 @@ class OutputDirLock:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(REFRESH_S):
-            if self._mine():
-                try:
-                    os.utime(self.path)
-                except OSError:
-                    pass
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Tell other hosts this holder is alive (the heartbeat thread calls it every REFRESH_S)."""
+        if self._mine():
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
 
     def _mine(self) -> bool:
         try:

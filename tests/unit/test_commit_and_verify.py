@@ -259,3 +259,32 @@ def test_verify_bad_header_offsets(tmp_path, damage, message):
     p.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
     errors = verify_snapshot(snap).errors
     assert any(p.name in e and message in e for e in errors), errors
+
+
+def test_a_lock_of_another_host_is_taken_over_only_when_it_went_stale(tmp_path, caplog):
+    from paddle_fullparam_callbacks.export import lock as lockmod
+
+    path = tmp_path / commit.LOCK
+    path.write_text(json.dumps({"host": "node-that-was-preempted", "pid": 4242, "since": "2026-11-30T00:00:00Z"}))
+    # refreshed recently: its job may be alive on the other host
+    with pytest.raises(commit.OutputDirLocked, match=r"in use by another job \(host node-that-was-preempted, pid 4242.*"
+                                                     r"a lock not refreshed for 300 s is taken over"):
+        commit.acquire_lock(tmp_path)
+    # not refreshed for longer than STALE_S: its job is gone, the lock is taken over with a warning
+    old = path.stat().st_mtime - lockmod.STALE_S - 5
+    os.utime(path, (old, old))
+    lock = commit.acquire_lock(tmp_path)
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert any("taking over the lock" in r.getMessage() and "node-that-was-preempted" in r.getMessage() for r in caplog.records)
+    lock.release()
+
+
+def test_a_live_holder_refreshes_its_lock(tmp_path):
+    lock = commit.acquire_lock(tmp_path)
+    assert lock._thread.is_alive()  # the heartbeat calls refresh() every REFRESH_S
+    old = lock.path.stat().st_mtime - 1000
+    os.utime(lock.path, (old, old))
+    lock.refresh()
+    assert lock.path.stat().st_mtime > old + 900
+    lock.release()
+    assert not lock._thread.is_alive() or lock._stop.is_set()
