@@ -101,8 +101,8 @@ def paddle_logits(model, input_ids: np.ndarray, mode: str = "eval") -> np.ndarra
 
 
 def listing(path) -> list:
-    """Sorted names in ``path``, without the job's lock file (everything else, hidden leftovers
+    """Sorted names in ``path``, without the job's lock file and progress directory (everything else, hidden leftovers
     such as .tmp-* directories included, is listed)."""
     import os
 
-    return sorted(p for p in os.listdir(path) if p != ".fullparam.lock")
+    return sorted(p for p in os.listdir(path) if p not in (".fullparam.lock", ".fullparam-progress"))

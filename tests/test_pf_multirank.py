@@ -141,3 +141,32 @@ def test_pure_data_parallel_trainer_two_ranks(tmp_path):
     for k, v in final.items():  # HF layout: Linear weights transposed (PaddleFormers' LM head is [vocab, hidden] already)
         expected = np.ascontiguousarray(v.T) if LINEAR.search(k) and k != "lm_head.weight" else v
         assert got[k].tobytes() == expected.tobytes(), k
+
+
+STALL_TIMEOUT_S = 5
+
+
+def run_stalled_export(out: Path, timeout_s: float = STALL_TIMEOUT_S):
+    """4 ranks exporting; rank 3 is SIGSTOPped after its third tensor. Returns (launch result,
+    seconds from the export's start to the end of the whole job)."""
+    import os
+    import time
+
+    env = {**os.environ, "PFC_FAULT_POINT": "tensor@3", "PFC_FAULT_SIGNAL": "STOP", "PFC_FAULT_RANK": "3"}
+    res = harness.run_launch(ROOT / "tests" / "multirank" / "stall_job.py", [out, timeout_s], nproc=4, timeout=180, env=env)
+    ended = time.time()
+    started = max(t["time"] for _, t in res.tagged("EXPORT") if t["step"] == 1)
+    return res, ended - started
+
+
+def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path):
+    out = tmp_path / "out"
+    res, seconds = run_stalled_export(out)
+    assert not res.timed_out and res.rc != 0, res.describe()
+    for rank in (0, 1, 2):  # every rank names the stopped one, and where the others are
+        assert re.search(r"export.timeout_s=5: rank %d made no progress for 5 s in '[^']+' \(step 1\), waiting for "
+                         r"rank\(s\) \[3\] \(.*rank 3 not responding" % rank, res.logs[rank]), res.describe()
+    assert seconds <= STALL_TIMEOUT_S + 15, (seconds, res.describe())
+    # nothing half-written is visible, and the directory is free for the restart
+    assert not (out / ".fullparam.lock").exists()
+    assert [n for n in listing(out) if not n.startswith(".")] == []

@@ -1,14 +1,24 @@
 """Loading recipes: bundled YAML files or paths, merged with ``key=value`` overrides."""
 from __future__ import annotations
 
+import io
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .schema import ConfigError, FullParamConfig
+
+MAX_RECIPE_BYTES = 1_000_000
+"""Largest recipe file, and largest override value (bundled recipes are a few hundred bytes)."""
+MAX_YAML_DEPTH = 32
+"""Deepest nesting of mappings and lists (recipes need 3; omegaconf recurses ~10 frames a level)."""
+MAX_YAML_NODES = 10_000
+"""Most keys and values in one recipe or override (omegaconf builds ~15k nodes a second)."""
 
 
 def recipes_dir() -> Path:
@@ -24,7 +34,9 @@ def list_recipes() -> list:
     out = []
     for p in sorted(recipes_dir().glob("*.yaml")):
         desc = ""
-        for line in p.read_text().splitlines():
+        with open(p, "rb") as f:
+            head = f.read(MAX_RECIPE_BYTES).decode("utf-8", errors="replace")
+        for line in head.splitlines():
             if line.startswith("#"):
                 desc = line.lstrip("# ").strip()
                 break
@@ -42,6 +54,86 @@ def resolve_recipe(recipe: "str | os.PathLike") -> Path:
             return candidate
     names = ", ".join(n for n, _ in list_recipes()) or "(none found)"
     raise ConfigError("recipe", f"no recipe file {str(recipe)!r}; bundled recipes: {names}")
+
+
+def read_recipe_text(path: "str | os.PathLike") -> str:
+    """The text of a recipe file, refused before any YAML is built from it when it is larger than
+    :data:`MAX_RECIPE_BYTES` or is YAML that could make loading slow (see :func:`check_yaml`)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_RECIPE_BYTES + 1)  # never more, whatever the file claims to be
+            size = os.fstat(f.fileno()).st_size
+    except OSError as e:
+        raise ConfigError("recipe", f"{path} cannot be read: {e.strerror or e}") from e
+    if len(data) > MAX_RECIPE_BYTES:
+        raise ConfigError(
+            "recipe", f"{path} is {max(size, len(data))} bytes; a recipe may have at most {MAX_RECIPE_BYTES} "
+                      "bytes (1MB)",
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError("recipe", f"{path} does not parse as YAML: it is not UTF-8 text ({e})") from e
+    check_yaml(text, "recipe", str(path))
+    return text
+
+
+def check_yaml(text: str, key: str, source: str) -> None:
+    """Refuse YAML that could make loading it slow or deep, before omegaconf sees it.
+
+    Walks yaml's own event parser, which never expands aliases and keeps no tree: anchors and
+    aliases are refused (recipes need none, and nested aliases expand exponentially in omegaconf),
+    as is nesting deeper than :data:`MAX_YAML_DEPTH` or more than :data:`MAX_YAML_NODES` nodes.
+    Raises :class:`ConfigError` naming ``key``; ``source`` (a file, an override) leads the message.
+
+    >>> check_yaml("trigger:\\n  every_n_steps: 5\\n", "recipe", "r.yaml")
+    >>> check_yaml("a: &x [1]\\nb: *x\\n", "recipe", "r.yaml")
+    Traceback (most recent call last):
+    ...
+    paddle_fullparam_callbacks.config.schema.ConfigError: recipe: r.yaml: YAML anchors/aliases are not allowed in recipes (line 1: &x); write the value out
+    """
+    depth = nodes = 0
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, (yaml.CollectionEndEvent, yaml.DocumentEndEvent)):
+                depth -= isinstance(event, yaml.CollectionEndEvent)
+                continue
+            if not isinstance(event, yaml.NodeEvent):
+                continue
+            where = f"line {event.start_mark.line + 1}"
+            anchor = getattr(event, "anchor", None)
+            if isinstance(event, yaml.AliasEvent) or anchor is not None:
+                sign = "*" if isinstance(event, yaml.AliasEvent) else "&"
+                raise ConfigError(
+                    key, f"{source}: YAML anchors/aliases are not allowed in recipes ({where}: {sign}{anchor}); "
+                         "write the value out",
+                )
+            nodes += 1
+            if nodes > MAX_YAML_NODES:
+                raise ConfigError(
+                    key, f"{source}: more than {MAX_YAML_NODES} keys and values ({where}); a recipe needs a few "
+                         "dozen (a long list of AOA statements goes in a .json/.yaml file named by export.aoa)",
+                )
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    raise ConfigError(
+                        key, f"{source}: nested deeper than {MAX_YAML_DEPTH} levels ({where}); recipes need 3",
+                    )
+    except yaml.YAMLError as e:
+        raise ConfigError(key, f"{source} does not parse as YAML: {e}") from e
+
+
+def _check_override(item: str) -> None:
+    """Bounds of one ``key=value`` override (the value is YAML, read the same way as a recipe)."""
+    key, value = item.split("=", 1)
+    if len(item.encode("utf-8", errors="replace")) > MAX_RECIPE_BYTES:
+        raise ConfigError(
+            key[:80], f"the override is {len(item)} characters; at most {MAX_RECIPE_BYTES} bytes (1MB)",
+        )
+    if len(re.split(r"[.\[]", key)) > MAX_YAML_DEPTH:
+        raise ConfigError(key[:80] + "...", f"the key is nested deeper than {MAX_YAML_DEPTH} levels; recipe keys have 2")
+    check_yaml(value, key.strip(), "the override value")
 
 
 def _error_key(e: OmegaConfBaseException) -> str:
@@ -69,8 +161,9 @@ def load_config(
             layers.append(OmegaConf.structured(base) if isinstance(base, FullParamConfig) else OmegaConf.create(base))
         if recipe is not None:
             path = resolve_recipe(recipe)
+            text = read_recipe_text(path)
             try:
-                loaded = OmegaConf.load(path)
+                loaded = OmegaConf.load(io.StringIO(text))
             except Exception as e:  # YAML syntax errors come as several types
                 raise ConfigError("recipe", f"{path} does not parse as YAML: {e}") from e
             if not OmegaConf.is_dict(loaded):
@@ -80,6 +173,7 @@ def load_config(
             for item in overrides:
                 if "=" not in item or not item.split("=", 1)[0].strip():
                     raise ConfigError(str(item), "an override must be written key=value, e.g. trigger.every_n_steps=100")
+                _check_override(item)
             layers.append(OmegaConf.from_dotlist(list(overrides)))
         for layer in layers[1:]:
             _reject_interpolations(layer)

@@ -5,6 +5,7 @@ loaded from a recipe are validated the same way; each message names the recipe k
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -76,7 +77,8 @@ class ExportConfig:
     aoa: Any = "auto"
     """Name mapping: 'auto' (the model's own, else a preset), a preset name, a JSON/YAML file, or a list of statements."""
     name_template: str = "hf-step-{step:06d}"
-    """Snapshot directory name inside output_dir; must use {step}."""
+    """Snapshot directory name inside output_dir: one {step} field as a decimal integer ({step},
+    {step:d}, {step:0Nd}); distinct, parseable, safe names for every step (see plan/naming.py)."""
     copy_tokenizer: bool = True
     """Save the trainer's tokenizer files into each snapshot."""
     max_pending_bytes: str = "512MB"
@@ -85,12 +87,19 @@ class ExportConfig:
     """For format=callable: 'package.module:function', called as fn(name, tensor, step=...)."""
     async_write: bool = False
     """Return to training once the tensors are assembled; bytes go to disk in the background."""
+    timeout_s: Optional[float] = 1800.0
+    """Several ranks: a rank that makes no progress for this long in one of the package's collectives
+    (an export, or the decision exchange at an event) logs which rank it waits for and ends its
+    process, so the launcher stops the job. null: off."""
 
     def __post_init__(self):
         _check_choice("export.format", self.format, EXPORT_FORMATS)
         _check_choice("export.dtype", self.dtype, _dtypes.EXPORT_DTYPES)
         _check_size("export.max_shard_size", self.max_shard_size)
         _check_size("export.max_pending_bytes", self.max_pending_bytes)
+        t = self.timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0):
+            raise ConfigError("export.timeout_s", f"must be a number of seconds > 0 (or null: no timeout); got {t!r}")
         try:
             validate_template(self.name_template)
         except ValueError as e:

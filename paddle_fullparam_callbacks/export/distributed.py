@@ -6,6 +6,7 @@ so one export flow serves both.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, List
 
@@ -22,6 +23,7 @@ class LocalContext:
     topology: TopologyPlan = field(default_factory=lambda: plan_topology([("data", 1)]))
     h_group: Any = None
     v_group: Any = None
+    watchdog: Any = None  # export.timeout_s: a Watchdog wrapping every collective (several ranks only)
 
     @property
     def mesh(self) -> Mesh:
@@ -31,11 +33,19 @@ class LocalContext:
     def is_coordinator(self) -> bool:
         return self.rank == self.coordinator
 
-    def all_gather_object(self, obj, group=None) -> List[Any]:
+    def all_gather_object(self, obj, group=None, what: str = "exchange") -> List[Any]:
         return [obj]
 
-    def mesh_gather_object(self, obj) -> List[Any]:
+    def mesh_gather_object(self, obj, what: str = "mesh exchange") -> List[Any]:
         return [obj]
+
+    def waiting(self, what: str, peers=None):
+        """Context manager around a collective: watched by the watchdog when there is one."""
+        return self.watchdog.waiting(what, peers) if self.watchdog is not None else nullcontext()
+
+    @property
+    def mesh_ranks(self) -> List[int]:
+        return [r for row in self.mesh.rows for r in row]
 
     def barrier(self) -> None:
         pass
@@ -51,21 +61,23 @@ class DistContext(LocalContext):
     paddle_h_group: Any = None
     paddle_v_group: Any = None
 
-    def all_gather_object(self, obj, group=None) -> List[Any]:
+    def all_gather_object(self, obj, group=None, what: str = "exchange") -> List[Any]:
         import paddle.distributed as dist
 
         out: List[Any] = []
-        dist.all_gather_object(out, obj, group=group if group is not None else self.world_group)
+        with self.waiting(what, None if group is None else self.mesh_ranks):
+            dist.all_gather_object(out, obj, group=group if group is not None else self.world_group)
         return out
 
-    def mesh_gather_object(self, obj) -> List[Any]:
+    def mesh_gather_object(self, obj, what: str = "mesh exchange") -> List[Any]:
         """Every mesh rank's object, rows (pipe) outer, columns inner: the same list on each rank."""
-        row = [obj] if self.h_group is None else self.all_gather_object(obj, self.h_group)
+        row = [obj] if self.h_group is None else self.all_gather_object(obj, self.h_group, what)
         if self.v_group is None:
             return row
-        return [x for r in self.all_gather_object(row, self.v_group) for x in r]
+        return [x for r in self.all_gather_object(row, self.v_group, what) for x in r]
 
     def barrier(self) -> None:
         import paddle.distributed as dist
 
-        dist.barrier(group=self.world_group)
+        with self.waiting("barrier"):
+            dist.barrier(group=self.world_group)

@@ -51,6 +51,7 @@ from .exporters import Exporter, load_callable, make_exporter
 from .lock import release_on_signals
 from .ownership import read_manifest
 from .retention import apply_retention, newest_run, next_seq, update_best
+from .watchdog import PROGRESS_DIR, Watchdog
 from .host import with_zero_row
 from .manifest import build_manifest, clean_metrics, describe_files, dominant_float_dtype
 
@@ -207,15 +208,33 @@ class ExportSession:
             kind, message = errors[0]
             raise (commit.OutputDirLocked if kind == "OutputDirLocked" else OSError)(message)
         self.run_id, self._seq = gathered[self.ctx.coordinator][1]
+        self._start_watchdog()
         self.is_open = True
         if removed:
             logger.info("removed %d leftover(s) of interrupted exports in %s: %s", len(removed), self.output_dir, removed)
         return removed
 
+    def _start_watchdog(self) -> None:
+        """export.timeout_s, with several ranks: every collective of the package is watched."""
+        timeout = self.config.export.timeout_s
+        if self.ctx.world_size <= 1 or not timeout or self.ctx.watchdog is not None:
+            return
+        progress = self.output_dir / PROGRESS_DIR
+        try:
+            progress.mkdir(exist_ok=True)
+        except OSError:
+            progress = None  # the culprit will not be named; the timeout still holds
+        lock = self._lock
+        self.ctx.watchdog = Watchdog(timeout, self.ctx.rank, list(range(self.ctx.world_size)), progress,
+                                     on_expire=lock.release if lock is not None else None)
+
     def close(self) -> None:
         """Finish a pending background export and release the output directory (also done at exit)."""
         self.wait_pending()
         self.is_open = False
+        if self.ctx.watchdog is not None:
+            self.ctx.watchdog.close()
+            self.ctx.watchdog = None
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -247,11 +266,11 @@ class ExportSession:
         sd = source.sharded_state_dict() if sharded_state_dict is None else sharded_state_dict
         local = records_from_state_dict(ctx.rank, sd)
         sig = _digest(sorted((r.key, r.offset, r.shape, r.global_shape, r.dtype) for r in local))
-        sigs = ctx.all_gather_object(sig)
+        sigs = ctx.all_gather_object(sig, what="plan: parameter signatures")
         world_sig = _digest(sigs)
         if self._prepared is not None and self._prepared.signature == world_sig:
             return self._prepared
-        records = [r for per_rank in ctx.mesh_gather_object(local) for r in per_rank]
+        records = [r for per_rank in ctx.mesh_gather_object(local, "plan: shard records") for r in per_rank]
         mapped = self.config.export.format != "paddle_safetensors"
         error, prepared = None, None
         try:
@@ -276,7 +295,7 @@ class ExportSession:
         except Exception as e:  # reported on every rank below, never raised alone
             error, plan_digest = f"{type(e).__name__}: {e}", None
         # every rank must hold the same plan: a rank alone in a collective would hang
-        outcomes = ctx.all_gather_object((error, plan_digest))
+        outcomes = ctx.all_gather_object((error, plan_digest), what="plan: digests")
         errors = [e for e, _ in outcomes if e]
         if errors:
             raise ExportError(f"export planning failed: {errors[0]}")
@@ -317,7 +336,7 @@ class ExportSession:
         asm = MeshAssembler(sd, p.records, p.dmap, targets, keep, ctx.mesh, ctx.rank, ctx.h_group, ctx.v_group,
                             cfg.export.dtype, cfg.topology.bucket_for(ctx.mesh.size))
         # replicas inside the mesh must agree before the lowest rank's copy stands for all
-        held = ctx.mesh_gather_object(asm.replica_digests())
+        held = ctx.mesh_gather_object(asm.replica_digests(), "assembly: replica digests")
         merged: Dict[int, Dict[str, int]] = {}
         for r, digests in zip(ctx.mesh.ranks_in_gather_order(), held):
             for item_id, d in digests.items():
@@ -343,6 +362,8 @@ class ExportSession:
         instead of ``output_dir/<name_template>``; no pointer or retention is touched then.
         """
         t0 = time.perf_counter()
+        if self.ctx.watchdog is not None:
+            self.ctx.watchdog.step = step
         self.wait_pending()
         ctx, cfg = self.ctx, self.config
         out_dir = Path(into) if into is not None else self.output_dir
@@ -369,7 +390,7 @@ class ExportSession:
                 staging = commit.new_staging_dir(out_dir, name, self.run_id)
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
-        first = ctx.all_gather_object((str(staging) if staging else None, error))[ctx.coordinator]
+        first = ctx.all_gather_object((str(staging) if staging else None, error), what="staging")[ctx.coordinator]
         if first[1]:
             raise ExportError(f"export of step {step} to {out_dir / name} failed: {first[1]}")
         _faults.point("staging")
@@ -378,19 +399,22 @@ class ExportSession:
 
         # assemble and write; an error stops this rank's writing, never its part in the collectives
         progress = _progress(ctx.is_coordinator, sum(p.plan.slots[n].nbytes for n in keep), name)
+        beat = ctx.watchdog.beat if ctx.watchdog is not None else (lambda: None)
         try:
             exporter.begin(p.plan, job.staging, step, my_files)
-            for tname, tensor in self._stream(sd, p, source, targets, keep):
-                if job.error is None:
-                    try:
-                        if tname in p.zero_rows:
-                            tensor = with_zero_row(tensor, p.zero_rows[tname])
-                        exporter.write(tname, tensor)
-                        job.seen += 1
-                        _faults.point("tensor")
-                        progress.update(p.plan.slots[tname].nbytes)
-                    except Exception as e:
-                        job.error = f"{type(e).__name__}: {e}"
+            with ctx.waiting("assembly", ctx.mesh_ranks):  # export.timeout_s: no tensor for that long ends the job
+                for tname, tensor in self._stream(sd, p, source, targets, keep):
+                    beat()
+                    if job.error is None:
+                        try:
+                            if tname in p.zero_rows:
+                                tensor = with_zero_row(tensor, p.zero_rows[tname])
+                            exporter.write(tname, tensor)
+                            job.seen += 1
+                            _faults.point("tensor")
+                            progress.update(p.plan.slots[tname].nbytes)
+                        except Exception as e:
+                            job.error = f"{type(e).__name__}: {e}"
         except Exception as e:
             job.error = job.error or f"{type(e).__name__}: {e}"
         finally:
@@ -507,7 +531,8 @@ class ExportSession:
     def _finish_global(self, job: "_Job") -> SnapshotInfo:
         """Status exchange, then the coordinator commits and everyone learns the outcome."""
         ctx, name, step = self.ctx, job.name, job.step
-        statuses = ctx.all_gather_object((job.error, {k: (v.bytes, v.sha256) for k, v in job.files.items()}))
+        statuses = ctx.all_gather_object((job.error, {k: (v.bytes, v.sha256) for k, v in job.files.items()}),
+                                         what="status exchange")
         errors = [(r, e) for r, (e, _) in enumerate(statuses) if e]
         if errors:
             if ctx.is_coordinator and job.staging is not None:
@@ -528,7 +553,7 @@ class ExportSession:
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 shutil.rmtree(job.staging, ignore_errors=True)
-        outcome = ctx.all_gather_object(error)[ctx.coordinator]
+        outcome = ctx.all_gather_object(error, what="commit outcome")[ctx.coordinator]
         if outcome:
             raise ExportError(f"export of step {step} to {final} failed while committing: {outcome}")
         total = time.perf_counter() - job.t0

@@ -156,7 +156,9 @@ class FullParamExportCallback:
                 proposal = (d.export, d.reason, d.metric, None)
             except (KeyError, ValueError) as e:
                 proposal = (False, "error", None, str(e.args[0]) if e.args else str(e))
-        export, why, metric, err = ctx.all_gather_object(proposal)[ctx.coordinator]
+        if ctx.watchdog is not None:
+            ctx.watchdog.step = step
+        export, why, metric, err = ctx.all_gather_object(proposal, what="decision")[ctx.coordinator]
         if err:
             raise ValueError(err)
         return Decision(export, why, step, metric)

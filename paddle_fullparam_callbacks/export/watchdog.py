@@ -1,0 +1,143 @@
+"""``export.timeout_s``: a rank that waits too long in one of the package's collectives ends the job.
+
+A stalled rank (a hung GPU, a SIGSTOPped process, a dead NIC) leaves every other rank blocked in
+the next collective it takes part in: an export's exchanges and assembly, or the per-event
+decision exchange. Paddle's own timeout does not always help (on CPU/gloo the groups keep gloo's
+own, and a blocked ``all_gather_object`` was seen waiting beyond 45 s). Like torch's NCCL
+watchdog, a thread on every rank watches the collective this rank is in: when it has made no
+progress for ``timeout_s``, it logs which step, which collective and which peers have not shown
+progress since, releases the output directory's lock, and ends the process with
+:data:`EXIT_CODE`, so that ``paddle.distributed.launch`` stops the whole job. Whatever export was
+in flight stays a hidden staging directory, removed by the next job.
+
+Peers are named from small progress files (``<output_dir>/.fullparam-progress/rank-N``, on the
+filesystem every rank shares for the snapshot): each rank's watchdog thread rewrites its own
+every second with the collective the rank is in. A peer whose file went stale is not running
+(stopped, hung in the kernel, dead); otherwise the peers that have not entered a collective since
+this rank started waiting are named, with where each one is.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple
+
+logger = logging.getLogger("paddle_fullparam_callbacks")
+
+EXIT_CODE = 75  # EX_TEMPFAIL: the job may be restarted
+PROGRESS_DIR = ".fullparam-progress"
+
+
+class Watchdog:
+    """One per rank; :meth:`waiting` wraps each collective, :meth:`beat` marks progress inside one."""
+
+    def __init__(self, timeout_s: float, rank: int, world: List[int], progress_dir: Optional[Path] = None,
+                 on_expire: Optional[Callable[[], None]] = None, exit_fn: Callable[[int], None] = os._exit):
+        self.timeout_s = float(timeout_s)
+        self.rank = rank
+        self.world = list(world)
+        self.progress_dir = Path(progress_dir) if progress_dir else None
+        self.on_expire = on_expire  # e.g. release the lock (the coordinator)
+        self.exit_fn = exit_fn
+        self.step: Optional[int] = None
+        self.period = max(0.05, min(1.0, self.timeout_s / 10))
+        self._last = (None, time.time())  # (collective entered last, when)
+        self._active = None  # (what, peers, since_wall, last_progress_monotonic)
+        self._guard = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pfc-watchdog", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # ---- what the ranks do -------------------------------------------------------------
+    @contextmanager
+    def waiting(self, what: str, peers: Optional[List[int]] = None):
+        """This rank is in collective ``what`` with ``peers`` (default: every rank)."""
+        now = time.time()
+        self._record(what, now)
+        with self._guard:
+            outer = self._active  # a collective inside a longer phase (an exchange during assembly)
+            self._active = (what, list(peers) if peers is not None else self.world, now, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._active = None if outer is None else (*outer[:3], time.monotonic())
+
+    def beat(self) -> None:
+        """Progress inside a long collective phase (a tensor arrived): its clock restarts."""
+        with self._guard:
+            if self._active is not None:
+                what, peers, since, _ = self._active
+                self._active = (what, peers, since, time.monotonic())
+
+    def _record(self, what: Optional[str] = None, when: Optional[float] = None) -> None:
+        """Rewrite this rank's progress file: the collective it entered last, and that it is alive."""
+        if what is not None:
+            self._last = (what, when)
+        if self.progress_dir is None:
+            return
+        path = self.progress_dir / f"rank-{self.rank}"
+        tmp = self.progress_dir / f".rank-{self.rank}.tmp"
+        what, entered = self._last
+        try:
+            tmp.write_text(json.dumps({"rank": self.rank, "what": what, "step": self.step, "entered": entered,
+                                       "alive": time.time(), "pid": os.getpid()}))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # progress files only name the culprit; never a reason to fail
+
+    # ---- the watching thread -----------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._record()  # the heartbeat peers look at
+            with self._guard:
+                active = self._active
+            if active is not None and time.monotonic() - active[3] > self.timeout_s:
+                self._expire(*active)
+                return
+
+    def peers_report(self, peers: List[int], since: float) -> Tuple[List[int], str]:
+        """(the peers holding this rank up, where every peer is) from their progress files."""
+        if self.progress_dir is None:
+            return [], ""
+        now, gone, behind, where = time.time(), [], [], []
+        for r in peers:
+            if r == self.rank:
+                continue
+            try:
+                rec = json.loads((self.progress_dir / f"rank-{r}").read_text())
+            except (OSError, ValueError):
+                rec = {}
+            alive, entered = rec.get("alive", 0), rec.get("entered", 0)
+            if now - alive > 3 * self.period + 1:
+                gone.append(r)
+                where.append(f"rank {r} not responding for {now - alive:.0f} s")
+            else:
+                if entered < since:
+                    behind.append(r)
+                where.append(f"rank {r} in '{rec.get('what')}' for {now - entered:.0f} s")
+        return (gone or behind), "; ".join(where)
+
+    def _expire(self, what: str, peers: List[int], since: float, _last: float) -> None:
+        culprits, where = self.peers_report(peers, since)
+        who = f"rank(s) {culprits}" if culprits else f"one of the ranks {[r for r in peers if r != self.rank]}"
+        message = (f"export.timeout_s={self.timeout_s:g}: rank {self.rank} made no progress for {self.timeout_s:g} s in "
+                   f"'{what}' (step {self.step}), waiting for {who}{f' ({where})' if where else ''}; ending this "
+                   f"process (exit {EXIT_CODE}) so that the launcher stops the job; a snapshot in flight stays hidden "
+                   "and is removed by the next job")
+        logger.error(message)
+        print(f"paddle_fullparam_callbacks: {message}", file=sys.stderr, flush=True)
+        try:
+            if self.on_expire is not None:
+                self.on_expire()
+        finally:
+            self.exit_fn(EXIT_CODE)

@@ -1,0 +1,49 @@
+"""export.timeout_s: the watchdog ends a rank stuck in a collective and names the peer holding it up."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from paddle_fullparam_callbacks.export.watchdog import EXIT_CODE, Watchdog
+
+
+def _watchdog(tmp_path, rank=0, timeout=0.3):
+    fired = threading.Event()
+    codes = []
+
+    def exit_fn(code):
+        codes.append(code)
+        fired.set()
+
+    wd = Watchdog(timeout, rank, [0, 1, 2], tmp_path, exit_fn=exit_fn)
+    return wd, fired, codes
+
+
+def test_a_rank_stuck_in_a_collective_is_ended_naming_the_peer_that_stopped(tmp_path, caplog):
+    wd, fired, codes = _watchdog(tmp_path)
+    now = time.time()
+    # rank 1 is alive and waiting too; rank 2 stopped responding long ago
+    (tmp_path / "rank-1").write_text(json.dumps({"what": "status exchange", "entered": now, "alive": now + 60}))
+    (tmp_path / "rank-2").write_text(json.dumps({"what": "assembly", "entered": now - 100, "alive": now - 100}))
+    wd.step = 7
+    with wd.waiting("status exchange"):
+        (tmp_path / "rank-1").write_text(json.dumps({"what": "status exchange", "entered": now, "alive": now + 60}))
+        assert fired.wait(10)
+    assert codes == [EXIT_CODE]
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert "rank 0 made no progress for 0.3 s in 'status exchange' (step 7), waiting for rank(s) [2]" in message
+    assert "rank 1 in 'status exchange'" in message and "rank 2 not responding" in message
+
+
+def test_progress_inside_a_phase_and_nested_exchanges_keep_it_alive(tmp_path):
+    wd, fired, codes = _watchdog(tmp_path, timeout=0.5)
+    with wd.waiting("assembly", [0, 1]):
+        for _ in range(8):  # 8 tensors, 0.1 s apart: 0.8 s in all, never 0.5 s without one
+            assert not fired.wait(0.1)
+            wd.beat()
+            with wd.waiting("assembly: replica digests", [0, 1]):
+                pass  # a nested exchange returns to the outer phase, clock restarted
+    assert not fired.wait(0.7) and codes == []  # outside any collective nothing is watched
+    wd.close()
+    assert json.loads((tmp_path / "rank-0").read_text())["what"] == "assembly: replica digests"
