@@ -136,6 +136,35 @@ def _check_override(item: str) -> None:
     check_yaml(value, key.strip(), "the override value")
 
 
+def _text_field(key: str) -> bool:
+    """Whether recipe key ``a.b`` is a text field of the schema (str or Optional[str])."""
+    import dataclasses
+
+    cls = FullParamConfig
+    parts = key.strip().split(".")
+    for i, part in enumerate(parts):
+        field = next((f for f in dataclasses.fields(cls) if f.name == part), None)
+        if field is None:
+            return False
+        kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+        if i == len(parts) - 1:
+            return kind in ("str", "Optional[str]")
+        cls = field.default_factory if callable(getattr(field, "default_factory", None)) else None
+        if cls is None or not dataclasses.is_dataclass(cls):
+            return False
+    return False
+
+
+def _as_text(item: str) -> str:
+    """``export.name_template={step:06d}`` on a command line: YAML would read the value as a
+    mapping; a text field takes it as the text it is (quoted values are left to YAML)."""
+    key, value = item.split("=", 1)
+    v = value.strip()
+    if v[:1] in ("{", "[") and _text_field(key):
+        return f"{key}='" + value.replace("'", "''") + "'"
+    return item
+
+
 def _error_key(e: OmegaConfBaseException) -> str:
     return getattr(e, "full_key", None) or getattr(e, "key", None) or "recipe"
 
@@ -174,7 +203,7 @@ def load_config(
                 if "=" not in item or not item.split("=", 1)[0].strip():
                     raise ConfigError(str(item), "an override must be written key=value, e.g. trigger.every_n_steps=100")
                 _check_override(item)
-            layers.append(OmegaConf.from_dotlist(list(overrides)))
+            layers.append(OmegaConf.from_dotlist([_as_text(item) for item in overrides]))
         for layer in layers[1:]:
             _reject_interpolations(layer)
             _check_sections(layer)

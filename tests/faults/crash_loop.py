@@ -167,12 +167,47 @@ def main():
         "notes": ["single process: plain-Paddle toy model; 4 ranks: dp2 x mp2 launch with real parallel layers; "
                   "SIGKILL at named points (PFC_FAULT_POINT, PFC_FAULT_RANK); each next run is the restart"],
     }
+    # issue 9: hostile inputs (other people's files, names, reruns, writers, verify), SIGTERM, a stall
+    import hostile_inputs
+
+    sys.path.insert(0, str(ROOT / "tests" / "multirank"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    with tempfile.TemporaryDirectory(prefix="pfc_hostile_") as d:
+        hostile = hostile_inputs.run(Path(d) / "cases")
+        sigterm = hostile_inputs.sigterm_points(Path(d))
+        from test_pf_multirank import STALL_TIMEOUT_S, run_stalled_export
+
+        stall_res, stall_s = run_stalled_export(Path(d) / "stall")
+        fuzz_out = Path(d) / "verify_fuzz.json"
+        subprocess.run([sys.executable, str(ROOT / "bench" / "verify_fuzz.py"), "--out", str(fuzz_out)],
+                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        fuzz_figures = json.loads(fuzz_out.read_text()) if fuzz_out.exists() else {}
+    result["bad_inputs"] += hostile["bad_inputs"]
+    result["bad_inputs_unclear"] += hostile["bad_inputs_unclear"]
+    result.update(
+        foreign_entries_touched=hostile["foreign_entries_touched"],
+        verify_fuzz_cases=fuzz_figures.get("verify_fuzz_cases"),
+        verify_fuzz_tracebacks=fuzz_figures.get("verify_fuzz_tracebacks"),
+        verify_fuzz_reads_outside=fuzz_figures.get("verify_fuzz_escapes"),
+        sigterm_points=sigterm["sigterm_points"], locks_left_after_sigterm=sigterm["locks_left_after_sigterm"],
+        partial_visible_after_sigterm=sigterm["partial_visible_after_sigterm"],
+        stall_exit_seconds=round(stall_s, 1), stall_timeout_s=STALL_TIMEOUT_S,
+        stall_named_the_stopped_rank=all("waiting for rank(s) [3]" in stall_res.logs.get(r, "") for r in (0, 1, 2)),
+        hostile_inputs=hostile["cases"],
+    )
+    result["notes"].append("hostile inputs: tests/faults/hostile_inputs.py (each case's exact error; other people's "
+                           "files compared byte for byte before and after); SIGTERM at named points of an export; "
+                           "a 4-rank export with one rank SIGSTOPped and export.timeout_s=5")
     (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
     (ROOT / "bench" / "results" / "faults.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("kills", "partial_snapshots_visible", "committed_snapshots_damaged",
-                                              "bad_inputs", "bad_inputs_unclear")}))
+                                              "bad_inputs", "bad_inputs_unclear", "foreign_entries_touched",
+                                              "verify_fuzz_cases", "verify_fuzz_tracebacks", "sigterm_points",
+                                              "locks_left_after_sigterm", "stall_exit_seconds")}))
     ok = (result["partial_snapshots_visible"] == 0 and result["committed_snapshots_damaged"] == 0
           and result["bad_inputs_unclear"] == 0 and stats["final_exit"] == 0 and not stats["leftovers_after_restart"]
+          and result["foreign_entries_touched"] == 0 and result["locks_left_after_sigterm"] == 0
+          and result["verify_fuzz_tracebacks"] == 0 and result["verify_fuzz_reads_outside"] == 0
           and ranks["final_exit"] == 0 and not ranks["leftovers_after_restart"] and not ranks["violations"])
     sys.exit(0 if ok else 1)
 

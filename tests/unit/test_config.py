@@ -228,3 +228,13 @@ def test_scalar_for_section_names_the_section():
     with pytest.raises(ConfigError, match=r"trigger: is a section of keys, not a value") as info:
         load_config(None, ["trigger=5"])
     assert info.value.key == "trigger"
+
+
+def test_a_text_field_takes_an_unquoted_brace_value_as_text():
+    # export.name_template={step:06d} on a command line: YAML alone would read a mapping
+    assert load_config(None, ["export.name_template={step:06d}"]).export.name_template == "{step:06d}"
+    assert load_config(None, ["export.name_template='{step:04d}-x'"]).export.name_template == "{step:04d}-x"
+    with pytest.raises(ConfigError, match=r"^export.name_template: '\{step!r\}' converts the step with !r"):
+        load_config(None, ["export.name_template={step!r}"])
+    with pytest.raises(ConfigError, match=r"^trigger.every_n_steps"):  # not a text field: YAML's reading stands
+        load_config(None, ["trigger.every_n_steps={a: 1}"])
