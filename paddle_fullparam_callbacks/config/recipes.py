@@ -9,7 +9,7 @@ from typing import Iterable, Optional, Sequence
 
 import yaml
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from .schema import ConfigError, FullParamConfig
 
@@ -165,6 +165,29 @@ def _as_text(item: str) -> str:
     return item
 
 
+def unknown_key_message(full_key: str) -> str:
+    """'unknown key; trigger has: every_n_steps, on_save, ... (did you mean 'every_n_steps'?)' from
+    the schema itself, whatever omegaconf's own message says."""
+    import dataclasses
+    import difflib
+
+    cls, section = FullParamConfig, []
+    parts = full_key.split(".")
+    for part in parts[:-1]:
+        field = next((f for f in dataclasses.fields(cls) if f.name == part), None)
+        sub = getattr(field, "default_factory", None) if field is not None else None
+        if sub is None or not dataclasses.is_dataclass(sub):
+            break
+        cls, section = sub, section + [part]
+    valid = [f.name for f in dataclasses.fields(cls)]
+    wrong = parts[len(section)] if len(parts) > len(section) else full_key
+    close = difflib.get_close_matches(wrong, valid, n=1, cutoff=0.6)
+    prefix = ".".join(section) + "." if section else ""
+    where = f"section {'.'.join(section)!r}" if section else "the top level"
+    hint = f" Did you mean {prefix + close[0]!r}?" if close else ""
+    return f"unknown key; {where} has: {', '.join(valid)}.{hint}"
+
+
 def _error_key(e: OmegaConfBaseException) -> str:
     return getattr(e, "full_key", None) or getattr(e, "key", None) or "recipe"
 
@@ -214,8 +237,8 @@ def load_config(
     except OmegaConfBaseException as e:
         key = _error_key(e)
         reason = str(e).splitlines()[0]
-        if "not in" in reason or "Key '" in reason and "not" in reason:
-            reason = f"unknown key ({reason})"
+        if isinstance(e, ConfigKeyError) or ("Key '" in reason and "not in" in reason):
+            reason = unknown_key_message(str(key))
         raise ConfigError(str(key), reason) from e
 
 

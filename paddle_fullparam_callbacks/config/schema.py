@@ -6,6 +6,7 @@ loaded from a recipe are validated the same way; each message names the recipe k
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -27,6 +28,10 @@ class ConfigError(ValueError):
 
 
 def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    # `on_error: NO` in YAML is the boolean false, not the text "NO" (omegaconf hands a text field 'False')
+    if isinstance(value, bool) or (value in ("True", "False") and value not in choices):
+        raise ConfigError(key, f"must be one of {', '.join(choices)}; got the YAML boolean {str(value).lower()} "
+                               "(unquoted yes/no/on/off/true/false are booleans in YAML)")
     if value not in choices:
         raise ConfigError(key, f"must be one of {', '.join(choices)}; got {value!r}")
 
@@ -60,7 +65,8 @@ class TriggerConfig:
                 "trigger.every_n_steps",
                 f"must be a whole number >= 1 (leave it unset, or null, to turn this trigger off); got {n!r}",
             )
-        if isinstance(self.min_interval_s, bool) or not isinstance(self.min_interval_s, (int, float)) or self.min_interval_s < 0:
+        t = self.min_interval_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ConfigError("trigger.min_interval_s", f"must be a number of seconds >= 0; got {self.min_interval_s!r}")
 
 
@@ -176,7 +182,7 @@ class TopologyConfig:
     """Most memory one collective may add on a rank (mesh size x bucket); a larger slice travels alone."""
 
     def __post_init__(self):
-        if self.sharding_stage is not None and self.sharding_stage not in (0, 1, 2, 3):
+        if self.sharding_stage is not None and (isinstance(self.sharding_stage, bool) or self.sharding_stage not in (1, 2, 3)):
             raise ConfigError("topology.sharding_stage", f"must be 1, 2 or 3 (or unset); got {self.sharding_stage!r}")
         _check_size("topology.bucket_bytes", self.bucket_bytes)
         _check_size("topology.memory_growth_threshold", self.memory_growth_threshold)
@@ -223,6 +229,8 @@ class FullParamConfig:
         _check_choice("on_error", self.on_error, ON_ERROR)
         if self.output_dir is not None and not str(self.output_dir).strip():
             raise ConfigError("output_dir", "is empty; leave it unset to use <trainer output_dir>/fullparam")
+        if self.output_dir is not None:
+            self.output_dir = os.path.expanduser(str(self.output_dir))  # output_dir=~/snaps on a command line
         if self.export.async_write and self.export.format == "callable":
             raise ConfigError("export.async_write", "applies to the file formats, not to export.format=callable")
         if self.export.format == "paddle_safetensors" and self.export.aoa not in ("auto",):

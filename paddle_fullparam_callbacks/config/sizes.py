@@ -9,7 +9,7 @@ _UNITS = {
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)  # ASCII digits only
 
 
 def parse_size(value: "str | int") -> int:
@@ -32,7 +32,10 @@ def parse_size(value: "str | int") -> int:
     number, unit = m.group(1), (m.group(2) or "B").upper()
     if unit not in _UNITS:
         raise ValueError(f"unknown size unit in {value!r}; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    size = int(Decimal(number) * _UNITS[unit])  # exact: no float rounding
+    exact = Decimal(number) * _UNITS[unit]  # exact: no float rounding
+    if exact != exact.to_integral_value():
+        raise ValueError(f"{value!r} is not a whole number of bytes ({exact} B); e.g. '2B', '1.5KB', '500MB'")
+    size = int(exact)
     if size <= 0:
         raise ValueError(f"size must be positive, got {value!r}")
     return size

@@ -26,8 +26,8 @@ def isolated_recipes_dir(tmp_path, monkeypatch):
 
 # (recipe file text or None, overrides, expected ConfigError.key, regex on the message)
 BAD = {
-    "unknown-top-level-key": (None, ["foo=1"], "foo", r"unknown key .*'foo'"),
-    "unknown-nested-key": (None, ["trigger.foo=1"], "trigger.foo", r"unknown key .*'foo' not in 'TriggerConfig'"),
+    "unknown-top-level-key": (None, ["foo=1"], "foo", r"unknown key; the top level has: output_dir, enabled, trigger"),
+    "unknown-nested-key": (None, ["trigger.foo=1"], "trigger.foo", r"unknown key; section 'trigger' has: every_n_steps"),
     "string-for-int": (None, ["trigger.every_n_steps=abc"], "trigger.every_n_steps", r"'abc'.*Integer"),
     "float-for-int": (None, ["retention.keep_last=1.5"], "retention.keep_last", r"'1\.5'.*Integer"),
     "string-for-bool": (None, ["enabled=maybe"], "enabled", r"'maybe' is not a valid bool"),
@@ -150,7 +150,7 @@ def test_parse_size_good(text, expected):
 
 @pytest.mark.parametrize("value", ["5XB", "", "-1GB", "GB", "1e3", "0", 0, -5, True, "0.0000001KB"])
 def test_parse_size_bad(value):
-    with pytest.raises(ValueError, match=r"size|not a size"):
+    with pytest.raises(ValueError, match=r"size|not a size|not a whole number of bytes"):
         parse_size(value)
 
 
@@ -238,3 +238,26 @@ def test_a_text_field_takes_an_unquoted_brace_value_as_text():
         load_config(None, ["export.name_template={step!r}"])
     with pytest.raises(ConfigError, match=r"^trigger.every_n_steps"):  # not a text field: YAML's reading stands
         load_config(None, ["trigger.every_n_steps={a: 1}"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trigger.evry_n_steps=3", r"^trigger.evry_n_steps: unknown key; section 'trigger' has: every_n_steps, .*"
+                               r"Did you mean 'trigger.every_n_steps'\?"),
+    ("trigerr.every_n_steps=3", r"^trigerr: unknown key; the top level has: .*trigger.*Did you mean 'trigger'\?"),
+    ("on_error=NO", r"^on_error: must be one of warn, raise; got the YAML boolean false \(unquoted yes/no"),
+    ("export.max_shard_size=1.9B", r"^export.max_shard_size: '1.9B' is not a whole number of bytes"),
+    ("export.max_shard_size=\uff110MB", r"^export.max_shard_size: not a size"),  # full-width digits
+    ("trigger.min_interval_s=.inf", r"^trigger.min_interval_s: must be a number of seconds >= 0; got inf"),
+    ("topology.sharding_stage=0", r"^topology.sharding_stage: must be 1, 2 or 3"),
+    ("export.timeout_s=0", r"^export.timeout_s: must be a number of seconds > 0"),
+    ("export.callable=:", r"^export.callable: the override value does not parse as YAML"),
+])
+def test_numbers_and_names_are_checked_where_they_are_read(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_output_dir_expands_the_home_directory():
+    import os
+
+    assert load_config(None, ["output_dir=~/snaps"]).output_dir == os.path.join(os.path.expanduser("~"), "snaps")
