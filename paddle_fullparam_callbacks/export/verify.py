@@ -1,16 +1,25 @@
 """Check a snapshot against its manifest and index: files, sizes, sha256, headers, tensors.
 
-Reads headers with the bounds-checked reader of ``safetensors_io`` (never pickle).
+Everything read is untrusted and every flaw is reported, never raised: names from the manifest
+and the index must be plain file names and are opened through ``verify_paths`` (never outside
+the snapshot, never through a symbolic link); values of the wrong type are named with their
+key. Headers are read with the bounds-checked reader of ``safetensors_io`` (never pickle).
+Output directories (snapshots plus ``latest``/``best``) are checked by ``verify_tree``.
 """
 from __future__ import annotations
 
-import json
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Optional, Tuple
 
 from .commit import INDEX, MANIFEST
-from .safetensors_io import SafetensorsFormatError, read_header, sha256_file
+from .safetensors_io import SafetensorsFormatError, parse_header, short
+from .verify_paths import SnapshotDir, Unreadable, describe_path, json_kind, label, name_problem, sha256_of
+
+MAX_ERRORS = 100  # per report; a damaged index can name every tensor
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 
 
 @dataclass
@@ -21,100 +30,227 @@ class VerifyReport:
     tensors: int = 0
     bytes: int = 0
     errors: List[str] = field(default_factory=list)
+    more_errors: int = 0
 
     def fail(self, msg: str) -> None:
         self.ok = False
-        self.errors.append(msg)
+        if len(self.errors) < MAX_ERRORS:
+            self.errors.append(msg)
+        else:
+            self.more_errors += 1
+
+    def finish(self) -> "VerifyReport":
+        if self.more_errors:
+            self.errors.append(f"... and {self.more_errors} more errors")
+            self.more_errors = 0
+        return self
 
     def as_dict(self) -> dict:
-        return {"path": self.path, "ok": self.ok, "files": self.files, "tensors": self.tensors, "bytes": self.bytes, "errors": self.errors}
-
-
-def _load_json(path: Path, report: VerifyReport):
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        report.fail(f"{path.name}: missing")
-    except (ValueError, UnicodeDecodeError) as e:
-        report.fail(f"{path.name}: not valid JSON ({e})")
-    return None
+        return {"path": self.path, "kind": "snapshot", "ok": self.ok, "files": self.files, "tensors": self.tensors,
+                "bytes": self.bytes, "errors": self.errors}
 
 
 def verify_snapshot(directory: "str | Path", check_hashes: bool = True) -> VerifyReport:
+    """Check the snapshot ``directory``; the report lists every problem found (``ok`` if none).
+
+    >>> verify_snapshot("/nonexistent").errors
+    ['/nonexistent: does not exist']
+    """
     d = Path(directory)
     report = VerifyReport(str(d))
-    if not d.is_dir():
-        report.fail(f"{d}: not a directory")
+    try:
+        problem = describe_path(d)
+        if problem:
+            raise Unreadable(problem)
+        with SnapshotDir.open(d) as snap:
+            return check_open_snapshot(snap, report, check_hashes)
+    except Unreadable as e:
+        report.fail(f"{d}: {e}")
         return report
-    manifest = _load_json(d / MANIFEST, report)
-    if manifest is None:
-        return report
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        report.fail(f"{MANIFEST}: has no 'files' table")
-        return report
+
+
+def check_open_snapshot(snap: SnapshotDir, report: VerifyReport, check_hashes: bool = True) -> VerifyReport:
+    """The checks of :func:`verify_snapshot` on an open directory, recorded in ``report``."""
+    try:
+        _check(snap, report, check_hashes)
+    except Unreadable as e:  # the directory itself failed midway (removed, permissions changed)
+        report.fail(f"{snap.path}: {e}")
+    return report.finish()
+
+
+Expected = Tuple[Optional[int], Optional[str]]  # (bytes, sha256) of a listed file; None where unusable
+
+
+def _check(snap: SnapshotDir, report: VerifyReport, check_hashes: bool) -> None:
+    manifest = _load_object(snap, MANIFEST, report)
+    files = None if manifest is None else _manifest_files(manifest, report)
+    if files is None:
+        return
     shards = sorted(n for n in files if n.endswith(".safetensors"))
-    if INDEX not in files and len(shards) == 1:
-        # one file, no index (transformers' layout): the file's own header is the index
-        try:
-            _, entries, _ = read_header(d / shards[0])
-            index = {"weight_map": {name: shards[0] for name in entries}}
-        except (OSError, SafetensorsFormatError):
-            index = {"weight_map": {}}  # the per-file checks below report the file
-    else:
-        index = _load_json(d / INDEX, report)
-        if index is None:
-            return report
-    # every file the manifest lists: present, same size, same sha256
-    for name, meta in sorted(files.items()):
-        p = d / name
-        if not p.is_file():
-            report.fail(f"{name}: listed in the manifest but missing")
+    single = INDEX not in files and len(shards) == 1  # transformers' layout: the header is the index
+    index = None if single else _load_index(snap, files, shards, report)
+    headers = {}
+    for name, expected in sorted(files.items()):
+        entries = _check_file(snap, name, expected, report, check_hashes)
+        if entries is not None:
+            headers[name] = entries
+    for name in snap.names():
+        if name.endswith(".safetensors") and name not in files:
+            kind = snap.kind_problem(name)
+            report.fail(f"{label(name)}: on disk but not in the manifest" + (f"; it {kind}" if kind and kind != "missing" else ""))
+    if single and shards[0] in headers:
+        index = ({t: shards[0] for t in headers[shards[0]]}, None)
+    if index is not None:
+        total = _check_tensors(index[0], headers, files, report)
+        _check_totals(manifest, index[1], total, report)
+
+
+def _load_object(snap: SnapshotDir, name: str, report: VerifyReport) -> Optional[dict]:
+    try:
+        obj = snap.read_json(name)
+    except Unreadable as e:
+        report.fail(f"{name}: {e}")
+        return None
+    if not isinstance(obj, dict):
+        report.fail(f"{name}: is {json_kind(obj)}, not an object")
+        return None
+    return obj
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _value(meta: dict, key: str) -> str:
+    return f"is {short(meta[key])}" if key in meta else "is missing"
+
+
+def _manifest_files(manifest: dict, report: VerifyReport) -> Optional[Dict[str, Expected]]:
+    """The manifest's ``files`` table with its names checked: {name: (bytes, sha256)}."""
+    files = manifest.get("files")
+    if files is None:
+        report.fail(f"{MANIFEST}: has no 'files' table")
+        return None
+    if not isinstance(files, dict):
+        report.fail(f"{MANIFEST}: files: is {json_kind(files)}, not an object")
+        return None
+    out: Dict[str, Expected] = {}
+    for name, meta in files.items():
+        problem = name_problem(name)
+        if problem:
+            report.fail(f"{MANIFEST}: files: {problem}")
             continue
-        size = p.stat().st_size
-        report.files += 1
-        report.bytes += size
-        if size != meta.get("bytes"):
-            report.fail(f"{name}: {size} bytes, the manifest says {meta.get('bytes')}")
+        where = f"{MANIFEST}: files[{short(name)}]"
+        if not isinstance(meta, dict):
+            report.fail(f"{where}: is {json_kind(meta)}, not an object with 'bytes' and 'sha256'")
+            out[name] = (None, None)
             continue
-        if check_hashes and sha256_file(p) != meta.get("sha256"):
-            report.fail(f"{name}: sha256 differs from the manifest (the file was changed or damaged)")
-    # every shard file on disk is listed
-    for p in sorted(d.glob("*.safetensors")):
-        if p.name not in files:
-            report.fail(f"{p.name}: on disk but not in the manifest")
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        size, digest = meta.get("bytes"), meta.get("sha256")
+        if not _is_count(size):
+            report.fail(f"{where}.bytes: {_value(meta, 'bytes')}, not a whole number >= 0")
+            size = None
+        if not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
+            report.fail(f"{where}.sha256: {_value(meta, 'sha256')}, not 64 hex digits")
+            digest = None
+        out[name] = (size, digest)
+    return out
+
+
+def _load_index(snap, files, shards, report) -> Optional[Tuple[Dict[str, str], Optional[int]]]:
+    """The index's weight map with its file names checked, and its metadata.total_size."""
+    if not shards:
+        report.fail(f"{MANIFEST}: files: lists no .safetensors file")
+        return None
+    if INDEX not in files:
+        report.fail(f"{INDEX}: not listed in the manifest (a snapshot of {len(shards)} files needs one)")
+        return None
+    index = _load_object(snap, INDEX, report)
+    if index is None:
+        return None
+    weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict):
-        report.fail(f"{INDEX}: has no 'weight_map'")
-        return report
-    # headers: well-formed, and exactly the tensors the index assigns to each file
-    by_file = {}
-    for tname, fname in weight_map.items():
-        by_file.setdefault(fname, set()).add(tname)
-    total_size = 0
-    for fname in sorted(set(by_file) | {n for n in files if n.endswith(".safetensors")}):
-        p = d / fname
-        if not p.is_file():
-            if fname in by_file and fname not in files:
-                report.fail(f"{INDEX}: tensors {sorted(by_file[fname])[:3]} point to {fname}, which is missing")
-            continue
-        try:
-            meta, entries, _ = read_header(p)
-        except SafetensorsFormatError as e:
-            report.fail(str(e))
-            continue
-        if meta is not None and not isinstance(meta, dict):
-            report.fail(f"{fname}: __metadata__ is not an object")
+        report.fail(f"{INDEX}: has no 'weight_map'" if weight_map is None else
+                    f"{INDEX}: weight_map: is {json_kind(weight_map)}, not an object")
+        return None
+    out = {}
+    for tensor, fname in weight_map.items():
+        problem = name_problem(fname)
+        if problem:
+            report.fail(f"{INDEX}: weight_map[{short(tensor)}]: {problem}")
+        else:
+            out[tensor] = fname
+    metadata = index.get("metadata", {})
+    if not isinstance(metadata, dict):
+        report.fail(f"{INDEX}: metadata: is {json_kind(metadata)}, not an object")
+        return out, None
+    declared = metadata.get("total_size")
+    if declared is not None and not _is_count(declared):
+        report.fail(f"{INDEX}: metadata.total_size: is {short(declared)}, not a whole number >= 0")
+        declared = None
+    return out, declared
+
+
+def _check_file(snap, name: str, expected: Expected, report: VerifyReport, check_hashes: bool) -> Optional[dict]:
+    """Size and sha256 of one listed file; for a shard, its header entries (None if unreadable)."""
+    size_expected, digest = expected
+    name_ = label(name)
+    try:
+        f = snap.open_file(name)
+    except Unreadable as e:
+        report.fail(f"{name_}: listed in the manifest but missing" if str(e) == "missing" else f"{name_}: {e}")
+        return None
+    try:
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            report.files += 1
+            report.bytes += size
+            if size_expected is not None and size != size_expected:
+                report.fail(f"{name_}: {size} bytes, the manifest says {size_expected}")
+            elif check_hashes and digest is not None and sha256_of(f) != digest.lower():
+                report.fail(f"{name_}: sha256 differs from the manifest (the file was changed or damaged)")
+            if not name.endswith(".safetensors"):
+                return None
+            metadata, entries, _ = parse_header(f, name_)
+    except SafetensorsFormatError as e:
+        report.fail(str(e))
+        return None
+    except OSError as e:
+        report.fail(f"{name_}: cannot be read ({e.strerror or e})")
+        return None
+    if metadata is not None and not isinstance(metadata, dict):
+        report.fail(f"{name_}: __metadata__ is {json_kind(metadata)}, not an object")
+    return entries
+
+
+def _check_tensors(weight_map: Dict[str, str], headers: dict, files: dict, report: VerifyReport) -> int:
+    """Each indexed tensor is in the file the index names, each tensor of a file is indexed there."""
+    by_file: Dict[str, set] = {}
+    for tensor, fname in weight_map.items():
+        by_file.setdefault(fname, set()).add(tensor)
+    for fname, tensors in sorted(by_file.items()):
+        some = [short(t) for t in sorted(tensors)[:3]]
+        if fname not in files:
+            report.fail(f"{INDEX}: tensors {', '.join(some)} point to {short(fname)}, which the manifest does not list")
+        elif not fname.endswith(".safetensors"):
+            report.fail(f"{INDEX}: tensors {', '.join(some)} point to {short(fname)}, which is not a .safetensors file")
+    total = 0
+    for fname, entries in sorted(headers.items()):
         indexed = by_file.get(fname, set())
-        for tname in sorted(indexed - set(entries)):
-            report.fail(f"{INDEX}: tensor {tname!r} is indexed in {fname} but the file has no such tensor")
-        for tname in sorted(set(entries) - indexed):
-            report.fail(f"{fname}: tensor {tname!r} is not in {INDEX}")
+        for tensor in sorted(indexed - set(entries)):
+            report.fail(f"{INDEX}: tensor {short(tensor)} is indexed in {label(fname)} but the file has no such tensor")
+        for tensor in sorted(set(entries) - indexed):
+            report.fail(f"{label(fname)}: tensor {short(tensor)} is not in {INDEX}")
         report.tensors += len(entries)
-        total_size += sum(e.end - e.begin for e in entries.values())
-    declared = (index.get("metadata") or {}).get("total_size")
-    if declared is not None and declared != total_size and report.ok:
-        report.fail(f"{INDEX}: metadata.total_size is {declared}, the files hold {total_size} tensor bytes")
-    if manifest.get("num_tensors") is not None and manifest["num_tensors"] != report.tensors and report.ok:
-        report.fail(f"{MANIFEST}: num_tensors is {manifest['num_tensors']}, the files hold {report.tensors}")
-    return report
+        total += sum(e.end - e.begin for e in entries.values())
+    return total
+
+
+def _check_totals(manifest: dict, declared: Optional[int], total: int, report: VerifyReport) -> None:
+    """Counts that only mean something once everything else agrees."""
+    if declared is not None and declared != total and report.ok:
+        report.fail(f"{INDEX}: metadata.total_size is {declared}, the files hold {total} tensor bytes")
+    n = manifest.get("num_tensors")
+    if n is not None and not _is_count(n):
+        report.fail(f"{MANIFEST}: num_tensors: is {short(n)}, not a whole number >= 0")
+    elif n is not None and n != report.tensors and report.ok:
+        report.fail(f"{MANIFEST}: num_tensors is {n}, the files hold {report.tensors}")
