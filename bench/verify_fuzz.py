@@ -3,7 +3,7 @@
 Run (about 10 ms a case on 2 cores; no Paddle needed, any environment with hypothesis)::
 
     PY=$(scripts/env.sh paddleformers)
-    PYTHONPATH=. $PY bench/verify_fuzz.py                      # 10000 cases -> /work/notes/verify_fuzz.json
+    PYTHONPATH=. $PY bench/verify_fuzz.py                      # 10000 cases -> bench/results/verify_fuzz.json
     PYTHONPATH=. $PY bench/verify_fuzz.py --cases 50000 --out /tmp/verify_fuzz.json
 
 Each case mutates a copy of a valid snapshot (or of an output directory with ``latest``/``best``)
@@ -89,7 +89,7 @@ def _keep(result: dict, name: str, ms, text: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=10_000, help="total number of cases (default 10000)")
-    ap.add_argument("--out", default="/work/notes/verify_fuzz.json", help="where the JSON goes")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "verify_fuzz.json"), help="where the JSON goes")
     ns = ap.parse_args()
     out = run(ns.cases)
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
