@@ -3,8 +3,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
+
+DESCRIPTION = (
+    "Full-parameter Hugging Face snapshots of PaddlePaddle training jobs. "
+    "demo: train a tiny model on CPU with the callback and list its snapshots; verify: check snapshots; "
+    "plan: show how a hybrid-parallel job would assemble and write a snapshot; recipes: list the bundled recipes."
+)
+OVERRIDES_HELP = ("recipe overrides as key=value, e.g. trigger.every_n_steps=10 retention.keep_last=2; a value that "
+                  "starts with { is taken as text for text keys (export.name_template={step:06d})")
+
+
+def _count(minimum: int):
+    """An argparse type: a whole number >= minimum, with an error that says so."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}; got {value}")
+        return value
+    parse.__name__ = f"whole number >= {minimum}"
+    return parse
 
 
 def _cmd_verify(ns) -> int:
@@ -90,18 +113,23 @@ def _cmd_demo(ns) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="paddle-fullparam", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    from .._version import __version__
 
-    d = sub.add_parser("demo", help="train a tiny Llama on CPU with the PaddleFormers Trainer, exporting HF snapshots")
+    p = argparse.ArgumentParser(prog="paddle-fullparam", description=DESCRIPTION)
+    p.add_argument("--version", action="version", version=f"paddle-fullparam {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of:")
+
+    text = "train a tiny Llama on CPU with the PaddleFormers Trainer and FullParamExportCallback, then verify and list the snapshots"
+    d = sub.add_parser("demo", help=text, description=text + ".")
     d.add_argument("--output-dir", default="demo_output", help="where the trainer and the snapshots write (default: demo_output)")
-    d.add_argument("--recipe", default="demo_tiny_llama", help="recipe name or path (default: demo_tiny_llama)")
-    d.add_argument("--steps", type=int, default=40, help="training steps (default: 40)")
-    d.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
+    d.add_argument("--recipe", default="demo_tiny_llama",
+                   help="a bundled recipe name (see 'paddle-fullparam recipes') or a path to a YAML recipe (default: demo_tiny_llama)")
+    d.add_argument("--steps", type=_count(1), default=40, help="training steps, a whole number >= 1 (default: 40)")
+    d.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     d.set_defaults(func=_cmd_demo)
 
-    v = sub.add_parser("verify", help="check snapshots (or every snapshot and pointer of an output directory) against "
-                                      "their manifest and index")
+    text = "check snapshots (or every snapshot and pointer of an output directory) against their manifest and index"
+    v = sub.add_parser("verify", help=text, description=text + "; exit 0 if all verify, 1 if any is damaged, 2 for usage errors.")
     v.add_argument("dirs", nargs="*", metavar="DIR",
                    help="a snapshot directory, an output directory (its hf-step-* snapshots and latest/best "
                         "pointers), or a latest/best pointer file")
@@ -112,29 +140,46 @@ def build_parser() -> argparse.ArgumentParser:
                         "accelerate) and report missing, unexpected, mis-shaped and mis-typed tensors")
     v.set_defaults(func=_cmd_verify)
 
-    pl = sub.add_parser("plan", help="print the meshes and writers of a hybrid topology (nothing is launched)")
+    text = "print the meshes and writers of a hybrid-parallel topology (nothing is launched)"
+    pl = sub.add_parser("plan", help=text, description=text + ".")
     for flag, helptext in (("--dp", "data parallel degree"), ("--sharding", "sharding degree"), ("--pp", "pipeline degree"),
                            ("--mp", "tensor (model) parallel degree"), ("--sep", "sequence/context parallel degree")):
-        pl.add_argument(flag, type=int, default=1, help=helptext)
-    pl.add_argument("--sharding-stage", type=int, default=1, help="1/2: sharding replicas split the work; 3: sharding joins the mesh")
-    pl.add_argument("--files", type=int, default=8, help="number of shard files to assign to writers (default 8)")
-    pl.add_argument("--json", action="store_true")
+        pl.add_argument(flag, type=_count(1), default=1, help=f"{helptext}, a whole number >= 1 (default 1)")
+    pl.add_argument("--sharding-stage", type=int, choices=(1, 2, 3), default=1,
+                    help="1 or 2: sharding replicas split the work; 3: sharding joins the mesh (default 1)")
+    pl.add_argument("--files", type=_count(1), default=8, help="number of shard files to assign to writers (default 8)")
+    pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     pl.set_defaults(func=_cmd_plan)
 
-    r = sub.add_parser("recipes", help="list the bundled recipes")
+    text = "list the bundled recipes with what each does"
+    r = sub.add_parser("recipes", help=text, description=text + ".")
     r.set_defaults(func=_cmd_recipes)
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ns = build_parser().parse_args(argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        ns = build_parser().parse_args(args)
+    except SystemExit as e:
+        if e.code == 2 and args[:1] == ["verify"] and "--json" in args:
+            # `verify --json` prints one JSON object whatever happens, usage errors included
+            print(json.dumps({"ok": False, "errors": ["usage error (see stderr): paddle-fullparam verify [--json] "
+                                                      "[--no-hash] [--transformers] DIR..."]}))
+        raise
     from ..config.schema import ConfigError
 
     try:
-        return ns.func(ns)
+        code = ns.func(ns)
+        sys.stdout.flush()
+        return code
     except ConfigError as e:
         print(f"paddle-fullparam: bad recipe value: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `paddle-fullparam plan ... | head`: the reader has gone; end quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
