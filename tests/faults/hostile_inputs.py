@@ -82,12 +82,17 @@ def case_foreign_leftover_names(tmp):
     return None, out
 
 
-def case_non_snapshot_at_a_snapshot_name(tmp):
+def _occupied(tmp, name):
+    """A directory of the user's where the package would put ``name``; then an export."""
     out = tmp / "out"
-    (out / "hf-step-000001").mkdir(parents=True)
-    (out / "hf-step-000001" / "notes.txt").write_text("mine")
+    (out / name).mkdir(parents=True)
+    (out / name / "mine.txt").write_text("mine")
     _export(out)
     return None, out
+
+
+def case_non_snapshot_at_a_snapshot_name(tmp):
+    return _occupied(tmp, "hf-step-000001")
 
 
 def case_checkpoint_name_template(tmp):
@@ -138,11 +143,7 @@ def case_callable_not_importable(tmp):
 
 
 def case_latest_is_a_directory(tmp):
-    out = tmp / "out"
-    (out / "latest").mkdir(parents=True)
-    (out / "latest" / "mine.txt").write_text("mine")
-    _export(out)
-    return None, out
+    return _occupied(tmp, "latest")
 
 
 def case_billion_laughs_recipe(tmp):

@@ -16,12 +16,8 @@ from paddle_fullparam_callbacks.config import (
 
 
 @pytest.fixture(autouse=True)
-def isolated_recipes_dir(tmp_path, monkeypatch):
-    """Bundled recipes come from an empty folder, so the tests do not depend on the repository's."""
-    d = tmp_path / "bundled"
-    d.mkdir()
-    monkeypatch.setenv("PFC_RECIPES_DIR", str(d))
-    return d
+def _bundled(isolated_recipes_dir):  # every test here: see conftest.py
+    return isolated_recipes_dir
 
 
 # (recipe file text or None, overrides, expected ConfigError.key, regex on the message)

@@ -24,11 +24,8 @@ BILLION_LAUGHS = "\n".join(
 
 
 @pytest.fixture(autouse=True)
-def isolated_recipes_dir(tmp_path, monkeypatch):
-    d = tmp_path / "bundled"
-    d.mkdir()
-    monkeypatch.setenv("PFC_RECIPES_DIR", str(d))
-    return d
+def _bundled(isolated_recipes_dir):  # every test here: see conftest.py
+    return isolated_recipes_dir
 
 
 def _refused(recipe_text, overrides=(), *, key="recipe", match, tmp_path=None, seconds=1.0):
