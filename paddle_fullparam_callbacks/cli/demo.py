@@ -6,6 +6,7 @@ The builders here are also what the tests and benchmarks use.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -87,44 +88,204 @@ def quiet_framework_logs() -> None:
         pass
 
 
+DEMO_MARKER = ".paddle-fullparam-demo"
+"""Written into the demo's ``--output-dir``: a later demo there may replace its ``snapshots/`` and ``trainer/``."""
+
+EVAL_ROWS = 16
+"""Held-out sequences the demo evaluates on when the recipe uses evaluations."""
+
+
+def check_steps(steps) -> int:
+    """The demo's ``--steps``: a whole number >= 1. (The Trainer reads ``max_steps <= 0`` as "train a whole
+    epoch", which with the demo's data is 64 steps and, with demo_tiny_llama, 64 snapshots.)"""
+    import operator
+
+    from ..config.schema import ConfigError
+
+    try:
+        n = None if isinstance(steps, bool) else operator.index(steps)  # int or numpy int; not 2.5, "3", True
+    except TypeError:
+        n = None
+    if n is None or n < 1:
+        raise ConfigError("--steps", f"must be a whole number >= 1 (the demo's training steps); got {steps!r}")
+    return n
+
+
+class _DemoRecorder:
+    """The demo's own listener: each evaluation's metrics by step, and the stall values the exporter
+    logs through ``trainer.log`` (``fullparam/stall_s``)."""
+
+    def __init__(self):
+        self.metrics = {}  # step -> {name: value}
+        self.stalls = []
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.metrics[int(state.global_step)] = dict(metrics or {})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "fullparam/stall_s" in logs:
+            self.stalls.append(logs["fullparam/stall_s"])
+
+
+def _prepare_output(out: Path) -> None:
+    """Start from a clean ``snapshots/`` and ``trainer/``: a second demo in the same place would be a new
+    run meeting the first run's snapshots (which it must not replace). Only what an earlier demo made
+    (its marker file is there) is removed; anything else stops the demo before it starts."""
+    import shutil
+
+    from ..config.schema import ConfigError
+
+    parts = [out / "snapshots", out / "trainer"]
+    present = [p for p in parts if p.exists() or p.is_symlink()]
+    if present and not (out / DEMO_MARKER).is_file():
+        raise ConfigError(
+            "--output-dir", f"{out} already holds {', '.join(p.name + '/' for p in present)} and no {DEMO_MARKER} "
+                            "marker (not made by this demo); remove them or choose another --output-dir",
+        )
+    for p in present:  # all checked before anything is removed
+        if p.is_symlink() or not p.is_dir():
+            raise ConfigError("--output-dir", f"{p} is not a directory made by the demo; remove it or choose "
+                                              "another --output-dir")
+    for p in present:
+        shutil.rmtree(p)
+    if present:
+        print(f"removed the previous demo's {', '.join(p.name + '/' for p in present)} in {out}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARKER).write_text("made by `paddle-fullparam demo`; a later demo here replaces snapshots/ and trainer/\n")
+
+
+def _fmt_metric(v) -> str:
+    return f"{v:.6f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
 def run_demo(output_dir: str = "demo_output", recipe: Optional[str] = "demo_tiny_llama",
              overrides: Optional[List[str]] = None, steps: int = 40) -> int:
+    """Train the tiny Llama ``steps`` steps with the recipe's exporter attached (``attach()``, so the
+    checkpoint hook works); recipes that export after evaluations or track a metric get an evaluation
+    set and an evaluation every ``max(1, steps // 4)`` steps. Prints a table and returns the exit status
+    (0: every snapshot verifies). ``steps`` < 1 raises :class:`ConfigError` (``--steps: ...``)."""
+    steps = check_steps(steps)
+    from ..export.pointers import read_pointer
     from ..export.verify import verify_snapshot
+    from ..integrations.attach import attach
     from ..integrations.callback import FullParamExportCallback
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    quiet_framework_logs()
     out = Path(output_dir).resolve()
+    # the recipe and overrides are checked before anything is written or trained
     cb = FullParamExportCallback.from_recipe(
         recipe, overrides=[f"output_dir={out / 'snapshots'}", *(overrides or [])]
     )
+    cfg = cb.config
+    _prepare_output(out)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    quiet_framework_logs()
+
+    metric = cfg.retention.metric
+    evaluate = bool(cfg.trigger.on_evaluate or metric)
+    extra, eval_dataset, eval_steps = {}, None, None
+    if evaluate:
+        eval_steps = max(1, steps // 4)
+        eval_dataset = TokenDataset(n=EVAL_ROWS, seed=1)
+        extra = dict(evaluation_strategy="steps", eval_steps=eval_steps, per_device_eval_batch_size=4)
+    n = cfg.trigger.every_n_steps
+    print(f"demo: recipe {recipe or '(defaults)'}, {steps} steps" + (f", evaluation every {eval_steps} steps on {EVAL_ROWS} "
+                                                      f"held-out sequences" if evaluate else ""))
+    if n and n > steps:
+        print(f"note: trigger.every_n_steps={n} is more than the {steps} steps of the demo, so it never fires here; "
+              f"scale it, e.g. trigger.every_n_steps={max(1, steps // 4)}")
+
     model = make_tiny_llama("paddleformers")
-    args = trainer_args("paddleformers", str(out / "trainer"), steps)
-    trainer = make_trainer("paddleformers", model, args, [cb])
+    args = trainer_args("paddleformers", str(out / "trainer"), steps, **extra)
+    recorder = _DemoRecorder()
+    trainer = make_trainer("paddleformers", model, args, [recorder], eval_dataset=eval_dataset)
+    attach(trainer, cb)
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
 
+    snaps_dir = cb.session.output_dir if cb.session else out / "snapshots"
+    where = f"{out / 'trainer'}/checkpoint-N/{cfg.checkpoint_hook.subdir}" if cfg.checkpoint_hook.enabled else snaps_dir
     print()
-    print(f"trained {steps} steps in {train_s:.1f} s; snapshots in {cb.session.output_dir if cb.session else out}")
-    header = f"{'snapshot':<18} {'step':>5} {'reason':<14} {'files':>5} {'bytes':>10} {'seconds':>8}  verify"
+    print(f"trained {steps} steps in {train_s:.1f} s; snapshots in {where}")
+    name_w = max([18] + [len(_display_name(s, out)) for s in cb.snapshots])
+    cols = f"{'snapshot':<{name_w}} {'step':>5} {'reason':<14} {'files':>5} {'bytes':>10} {'seconds':>8} {'stall_s':>8}"
+    if metric:
+        cols += f" {metric:>12}"
+    header = cols + "  verify"
     print(header)
     print("-" * len(header))
     ok = True
+    tracked = {}  # snapshot name -> metric value (kept or removed)
+    pointers = {p: read_pointer(snaps_dir, p) for p in ("latest", "best")}
     for s in cb.snapshots:
+        manifest = None
         if s.path is not None and s.path.exists():
             v = verify_snapshot(s.path)
             status = "ok" if v.ok else "FAILED: " + "; ".join(v.errors[:2])
             ok &= v.ok
+            tags = [p for p, target in pointers.items() if target == s.name and s.path.parent == snaps_dir]
+            if tags:
+                status += f" ({' and '.join(tags)})"
+            try:
+                manifest = json.loads((s.path / "fullparam_manifest.json").read_text())
+            except (OSError, ValueError):
+                manifest = None
         else:
-            status = "removed by retention"
-        print(f"{s.name:<18} {s.step:>5} {s.reason:<14} {s.files:>5} {s.bytes:>10} {s.seconds:>8.3f}  {status}")
+            status = "removed by retention" if s.path is not None and s.path.parent == snaps_dir else "removed"
+        line = (f"{_display_name(s, out):<{name_w}} {s.step:>5} {s.reason:<14} {s.files:>5} {s.bytes:>10} "
+                f"{s.seconds:>8.4f} {s.stall_s:>8.4f}")
+        if metric:
+            value = (manifest or {}).get("metrics", {}).get(metric)
+            if value is None:
+                value = recorder.metrics.get(s.step, {}).get(metric)
+            if value is not None:
+                tracked[s.name] = float(value)
+            line += f" {_fmt_metric(value):>12}"
+        print(line + f"  {status}")
     if cb.errors:
         ok = False
         for e in cb.errors:
             print(f"export error: {e}")
-    if cb.session is not None:
-        latest = (cb.session.output_dir / "latest")
-        if latest.exists():
-            print(f"latest -> {latest.read_text().strip()}")
+    if pointers["latest"]:
+        print(f"latest -> {pointers['latest']}")
+    if metric:
+        ok &= _print_best(snaps_dir, pointers["best"], metric, cfg.retention.mode, tracked, len(recorder.metrics))
+    if cfg.export.async_write and cb.snapshots:
+        waited = sum(s.stall_s for s in cb.snapshots)
+        took = sum(s.seconds for s in cb.snapshots)
+        print(f"background writes (export.async_write, export.max_pending_bytes={cfg.export.max_pending_bytes}): "
+              f"training waited {waited:.4f} s in all, the exports took {took:.4f} s")
+    if recorder.stalls:
+        print("training stall logged through trainer.log as fullparam/stall_s: "
+              + ", ".join(f"{x:.4f}" for x in recorder.stalls))
     return 0 if ok and cb.snapshots else 1
+
+
+def _display_name(s, out: Path) -> str:
+    """``hf-step-000010``, or ``checkpoint-10/hf`` for a snapshot inside a trainer checkpoint."""
+    if s.path is not None and s.path.parent.name.startswith("checkpoint-"):
+        return f"{s.path.parent.name}/{s.path.name}"
+    return s.name
+
+
+def _print_best(snaps_dir: Path, best: Optional[str], metric: str, mode: str, tracked: dict, evaluations: int) -> bool:
+    """``best -> NAME (metric value: the lowest of N snapshots)``; False when ``best`` is missing or wrong."""
+    word = "lowest" if mode == "min" else "highest"
+    if not tracked:
+        print(f"best: no snapshot has {metric} (there were {evaluations} evaluations)")
+        return False
+    pick = (min if mode == "min" else max)(tracked, key=tracked.get)
+    if best is None:
+        print(f"best: no pointer in {snaps_dir}, expected {pick} ({metric} {tracked[pick]:.6f})")
+        return False
+    if best not in tracked or tracked[best] != tracked[pick]:
+        print(f"best -> {best}: WRONG, {pick} has the {word} {metric} ({tracked[pick]:.6f})")
+        return False
+    print(f"best -> {best} ({metric} {tracked[best]:.6f}: the {word} of {len(tracked)} snapshots, "
+          f"{evaluations} evaluations)")
+    return True
