@@ -136,6 +136,8 @@ def test_async_writes_verify_and_stall_less_than_the_write(tmp_path):
     for s in cb.snapshots:
         assert verify_snapshot(s.path).ok
         assert s.stall_s < s.seconds, (s.stall_s, s.seconds)  # training waited less than the export took
+        manifest = json.loads((s.path / "fullparam_manifest.json").read_text())
+        assert manifest["async_write"] is True and manifest["timings"]["stall_s"] == pytest.approx(s.stall_s, abs=1e-6)
     # the stall of each export went through trainer.log, like any training metric (VisualDL, W&B)
     stalls = [e["fullparam/stall_s"] for e in recorder.logs if "fullparam/stall_s" in e]
     assert stalls == [round(s.stall_s, 4) for s in cb.snapshots]

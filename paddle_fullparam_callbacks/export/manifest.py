@@ -66,6 +66,7 @@ def build_manifest(*, name, step, reason, metrics, config, plan: ExportPlan, fil
         "created_unix": time.time(),
         "export_format": config.export.format,
         "dtype": config.export.dtype,
+        "async_write": bool(config.export.async_write),
         "framework": framework,
         "run": run or {},
         "model": model or {},

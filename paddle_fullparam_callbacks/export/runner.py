@@ -543,6 +543,8 @@ class ExportSession:
         all_files = {k: v for _, fs in statuses for k, v in fs.items()}
         timings = {"plan_s": job.t_plan - job.t0, "assemble_write_s": job.t_stream - job.t_plan,
                    "flush_s": job.t_written - job.t_stream}
+        if job.thread is not None:  # async_write: how long training waited (the rest ran in the background)
+            timings["stall_s"] = job.stall_s
         if not job.exporter.writes_files:
             total = time.perf_counter() - job.t0
             return SnapshotInfo(name, step, None, 0, 0, job.p.plan.num_tensors, total, timings, job.reason, stall_s=total)
