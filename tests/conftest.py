@@ -11,6 +11,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# the project is not installed into the shared environments (two clones would test each other's
+# code): every process a test starts (CLI runs, launched ranks, the zoo's halves) imports this
+# checkout, also when pytest was started without PYTHONPATH
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                          if p and Path(p).resolve() != ROOT]])
+
 
 @pytest.fixture(scope="session")
 def hf_python() -> str:

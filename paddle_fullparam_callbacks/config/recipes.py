@@ -1,9 +1,13 @@
 """Loading recipes: bundled YAML files or paths, merged with ``key=value`` overrides."""
 from __future__ import annotations
 
+import atexit
+import functools
 import io
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -22,11 +26,29 @@ MAX_YAML_NODES = 10_000
 
 
 def recipes_dir() -> Path:
-    """The folder of bundled recipes (``recipes/`` of the project, or $PFC_RECIPES_DIR)."""
+    """The folder of bundled recipes: ``recipes/`` inside the imported package (a wheel or sdist
+    install, or a checkout on the path: the files ship as package data), found with
+    :mod:`importlib.resources` whatever the working directory; ``$PFC_RECIPES_DIR`` replaces it."""
     env = os.environ.get("PFC_RECIPES_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "recipes"
+    return _bundled_recipes_dir(__name__.partition(".")[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _bundled_recipes_dir(package: str) -> Path:
+    from importlib.resources import files
+
+    folder = files(package) / "recipes"
+    if isinstance(folder, Path):  # a package on the file system, as pip installs it
+        return folder
+    # a package imported from an archive (zipimport): the recipes are copied out once per process
+    out = Path(tempfile.mkdtemp(prefix="pfc-recipes-"))
+    atexit.register(shutil.rmtree, out, True)
+    for entry in folder.iterdir():
+        if entry.name.endswith(".yaml") and entry.is_file():
+            (out / entry.name).write_bytes(entry.read_bytes())
+    return out
 
 
 def list_recipes() -> list:

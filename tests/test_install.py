@@ -1,0 +1,200 @@
+"""The project as a user installs it, and each checkout testing its own code.
+
+* requirements/*.txt carry pyproject.toml's constraints (``scripts/sync_requirements.py --check``), and
+  the check catches a drift.
+* ``python -m build`` makes an sdist and, from it, a wheel; both carry the recipes. The wheel goes
+  non-editable into a fresh venv whose third-party packages are pip's own resolution of
+  ``"<wheel>[cpu,paddleformers]"`` (made once per hash of the wheel's requirements, see
+  tests/install/wheel_env.py); from a folder outside the checkout, with nothing on PYTHONPATH:
+  ``paddle-fullparam recipes``, the PaddleFormers Trainer import, ``from_recipe``,
+  ``paddle-fullparam demo --steps 20`` and ``paddle-fullparam verify`` of every snapshot it made.
+* Without ``[cpu]`` (a GPU cluster that installed paddlepaddle-gpu first), ``[paddleformers]`` and
+  ``[paddlenlp]`` do not pull the CPU ``paddlepaddle`` wheel.
+* Two copies of the checkout run their tests through their own Makefile at the same time on the same
+  shared environment, each importing its own code in pytest, in subprocesses and in launched ranks;
+  an editable install of another checkout in the environment does not win over PYTHONPATH.
+
+Runs in make test's PaddleFormers pass (the PaddleNLP pass leaves this file out).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "install"))
+
+import wheel_env as W  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p.name for p in (ROOT / "paddle_fullparam_callbacks" / "recipes").glob("*.yaml"))
+EXTRAS = ["cpu", "paddleformers"]
+TIMINGS: dict = {}
+
+
+# ---- one source of truth for the constraints ----------------------------------------------------
+def test_requirements_agree_with_pyproject():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sync_requirements.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_requirements_drift_is_caught(tmp_path):
+    for rel in ("pyproject.toml", "scripts/sync_requirements.py", *(f"requirements/{p.name}" for p in (ROOT / "requirements").glob("*.txt"))):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, tmp_path / rel)
+    script = [sys.executable, str(tmp_path / "scripts" / "sync_requirements.py")]
+    pyproject = tmp_path / "pyproject.toml"
+    text = pyproject.read_text()
+    assert '"pyarrow<17"]' in text
+    pyproject.write_text(text.replace('"pyarrow<17"]', '"pyarrow<18"]', 1))  # the [paddleformers] extra
+    proc = subprocess.run([*script, "--check"], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "+pyarrow<18" in proc.stderr and "requirements/paddleformers.txt" in proc.stderr, proc.stderr
+    assert "run `make requirements`" in proc.stderr
+    subprocess.run(script, check=True, capture_output=True)
+    assert "pyarrow<18" in (tmp_path / "requirements" / "paddleformers.txt").read_text()
+    assert subprocess.run([*script, "--check"], capture_output=True).returncode == 0
+    # a range written by hand above the generated part is refused: users would not get it
+    pins = tmp_path / "requirements" / "paddlenlp.txt"
+    pins.write_text(pins.read_text().replace("paddlenlp==2.8.1\n", "paddlenlp==2.8.1\nnumpy<2\n"))
+    proc = subprocess.run([*script, "--check"], capture_output=True, text=True)
+    assert proc.returncode == 1 and "'numpy<2' above the pyproject.toml line" in proc.stderr, proc.stderr
+
+
+# ---- the wheel, as a user installs it ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(sdist, wheel) of a copy of this checkout (a clone's files), built as a user builds them."""
+    t0 = time.perf_counter()
+    src = W.copy_checkout(tmp_path_factory.mktemp("clone"))
+    sdist, wheel = W.build(src, tmp_path_factory.mktemp("dist"))
+    TIMINGS["build_s"] = round(time.perf_counter() - t0, 1)
+    return sdist, wheel
+
+
+@pytest.fixture(scope="module")
+def installed(built, tmp_path_factory):
+    """(python of a fresh venv holding the wheel, the deps venv)."""
+    _, wheel = built
+    t0 = time.perf_counter()
+    deps, made = W.deps_env(wheel, EXTRAS, W.env_root())
+    TIMINGS["deps_env_s" if made else "deps_env_cached_s"] = round(time.perf_counter() - t0, 1)
+    t0 = time.perf_counter()
+    py = W.overlay_env(deps, tmp_path_factory.mktemp("venv") / "venv")
+    W.install_wheel(py, wheel)
+    TIMINGS["venv_and_wheel_s"] = round(time.perf_counter() - t0, 1)
+    return py, deps
+
+
+@pytest.mark.slow
+@pytest.mark.paddleformers
+def test_sdist_and_wheel_carry_the_recipes(built):
+    sdist, wheel = built
+    with zipfile.ZipFile(wheel) as z:
+        in_wheel = sorted(n.rsplit("/", 1)[1] for n in z.namelist()
+                          if re.fullmatch(r"paddle_fullparam_callbacks/recipes/[^/]+\.yaml", n))
+    with tarfile.open(sdist) as t:
+        in_sdist = sorted(n.rsplit("/", 1)[1] for n in t.getnames()
+                          if re.fullmatch(r"[^/]+/paddle_fullparam_callbacks/recipes/[^/]+\.yaml", n))
+    assert RECIPES and in_wheel == RECIPES and in_sdist == RECIPES
+    # a clone keeps the top-level recipes/ for people who look there: the same files
+    assert sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")) == RECIPES
+
+
+@pytest.mark.slow
+@pytest.mark.paddleformers
+def test_wheel_installed_outside_the_checkout(installed, tmp_path):
+    py, deps = installed
+    bindir = py.parent
+    cli = bindir / "paddle-fullparam"
+    env = W.clean_env()
+    run = tmp_path / "elsewhere"
+    run.mkdir()
+    t0 = time.perf_counter()
+    assert W.run([py, "-m", "pip", "check"], cwd=run, env=env).returncode == 0
+
+    listed = W.run([cli, "recipes"], cwd=run, env=env).stdout
+    assert sorted(ln.split()[0] + ".yaml" for ln in listed.splitlines() if ln.strip()) == RECIPES, listed
+
+    code = ("from paddleformers.trainer import Trainer\n"
+            "import paddle_fullparam_callbacks as m\n"
+            "from paddle_fullparam_callbacks import FullParamExportCallback\n"
+            "from paddle_fullparam_callbacks.config.recipes import recipes_dir\n"
+            "cb = FullParamExportCallback.from_recipe('hf_every_n_steps')\n"
+            "print('PROBE', m.__file__, recipes_dir())\n")
+    out = W.run([py, "-c", code], cwd=run, env=env).stdout
+    pkg_file, recipes = next(ln for ln in out.splitlines() if ln.startswith("PROBE ")).split()[1:]
+    site = W.purelib(py)
+    assert Path(pkg_file).parent == site / "paddle_fullparam_callbacks", out  # the wheel, not a checkout
+    assert Path(recipes) == site / "paddle_fullparam_callbacks" / "recipes"
+
+    demo = W.run([cli, "demo", "--steps", "20"], cwd=run, env=env, timeout=600)
+    snapshots = sorted((run / "demo_output" / "snapshots").glob("hf-step-*"))
+    assert [s.name for s in snapshots] == ["hf-step-000010", "hf-step-000020"], demo.stdout
+    for snap in snapshots:
+        proc = W.run([cli, "verify", "--json", snap], cwd=run, env=env, check=False)
+        assert proc.returncode == 0 and json.loads(proc.stdout)["ok"], proc.stdout + proc.stderr
+    TIMINGS["run_s"] = round(time.perf_counter() - t0, 1)
+    resolved = (deps / "resolved.txt").read_text()
+    print(f"install test timings {TIMINGS}; resolved from the wheel's metadata: "
+          + ", ".join(ln for ln in resolved.splitlines() if re.match(r"(paddle|numpy|pyarrow|datasets)", ln, re.IGNORECASE)))
+
+
+@pytest.mark.slow
+@pytest.mark.paddleformers
+@pytest.mark.parametrize("extra", ["paddleformers", "paddlenlp"])
+def test_gpu_extras_do_not_pull_paddlepaddle(built, extra):
+    """A GPU cluster installs paddlepaddle-gpu first, then asks for [paddleformers] or [paddlenlp] alone."""
+    _, wheel = built
+    names = W.resolve_names(wheel, [extra], W.env_root())
+    assert extra in names and "paddlepaddle" not in names, names
+
+
+# ---- two clones at once ------------------------------------------------------------------------
+def _marked_copy(dst: Path, mark: str) -> Path:
+    W.copy_checkout(dst)
+    init = dst / "paddle_fullparam_callbacks" / "__init__.py"
+    init.write_text(init.read_text() + f"\nCHECKOUT_MARK = {mark!r}\n")
+    return dst
+
+
+@pytest.mark.slow
+@pytest.mark.paddleformers
+def test_two_checkouts_each_test_their_own_code(tmp_path):
+    if not shutil.which("make"):
+        pytest.skip("make is not installed")
+    copies = {m: _marked_copy(tmp_path / m, m) for m in ("A", "B")}
+    probe = "tests/install/probe_checkout.py"
+    # both at once, each through its own Makefile, on the same shared (cached) environments
+    procs = {m: subprocess.Popen(["make", "-s", "-C", str(d), "test-paddleformers", f"TESTS={probe}",
+                                  "PYTEST_ARGS=-q -p no:cacheprovider"],
+                                 env=W.clean_env(PFC_PROBE_OUT=str(tmp_path / f"{m}.json")),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for m, d in copies.items()}
+    for m, p in procs.items():
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, f"copy {m}:\n{out[-4000:]}"
+    for m, d in copies.items():
+        report = json.loads((tmp_path / f"{m}.json").read_text())
+        assert report["root"] == str(d)
+        assert {k: v[1] for k, v in report["seen"].items()} == {"pytest": m, "subprocess": m, "launch": m}, report
+
+    # an editable install of A left in the shared environment (a venv layered on it here, so that the
+    # shared one stays untouched): B's tests, run as B's Makefile runs them, still import B everywhere
+    stale = W.overlay_env(Path(sys.prefix), tmp_path / "stale-venv")
+    W.run([stale, "-m", "pip", "install", "-q", "--no-deps", "-e", copies["A"]], timeout=600)
+    before = W.run([stale, "-c", "import paddle_fullparam_callbacks as m; print(m.CHECKOUT_MARK)"], cwd=tmp_path).stdout
+    assert before.split() == ["A"]  # without PYTHONPATH, the editable install is what every process imports
+    W.run([stale, "-m", "pytest", probe, "-q", "-p", "no:cacheprovider"], cwd=copies["B"],
+          env=W.clean_env(PYTHONPATH=str(copies["B"]), PFC_PROBE_OUT=str(tmp_path / "stale.json")), timeout=600)
+    report = json.loads((tmp_path / "stale.json").read_text())
+    assert {k: v[1] for k, v in report["seen"].items()} == {"pytest": "B", "subprocess": "B", "launch": "B"}, report
