@@ -48,7 +48,7 @@ test-paddleformers:
 test-paddlenlp:
 	@PY=$$($(ENV) paddlenlp); HF=$$($(ENV) hf); \
 	echo "== tests in the PaddleNLP environment"; \
-	PFC_HF_PYTHON=$$HF $$PY -m pytest tests --ignore-glob='tests/test_pf_*' --ignore=tests/test_install.py $(PYTEST_ARGS)
+	PFC_HF_PYTHON=$$HF $$PY -m pytest tests --ignore-glob='tests/test_pf_*' --ignore-glob='tests/unit/test_pf_*' --ignore=tests/test_install.py $(PYTEST_ARGS)
 
 bench:
 	@PY=$$($(ENV) paddleformers); \

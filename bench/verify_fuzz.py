@@ -1,4 +1,4 @@
-"""Fuzzing ``verify`` at scale: the generators of ``tests/unit/test_verify_fuzz.py``, more cases.
+"""Fuzzing ``verify`` at scale: the generators of ``tests/unit/test_pf_verify_fuzz.py``, more cases.
 
 Run (about 10 ms a case on 2 cores; no Paddle needed, any environment with hypothesis)::
 
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
 import hypothesis  # noqa: E402
 
-import test_verify_fuzz as F  # noqa: E402
+import test_pf_verify_fuzz as F  # noqa: E402
 
 
 def run(total: int) -> dict:
