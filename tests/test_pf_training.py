@@ -89,7 +89,10 @@ def test_missing_metric_is_a_clear_error(tmp_path):
 CKPT_FORMAT = dict(save_checkpoint_format="unified_checkpoint", load_checkpoint_format="unified_checkpoint")
 
 
-def test_checkpoint_hook_layout_rotation_and_resume(tmp_path):
+def test_checkpoint_hook_layout_rotation_and_resume(tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="paddle_fullparam_callbacks")
     args = trainer_args("paddleformers", str(tmp_path / "trainer"), 6, save_steps=2, save_total_limit=2, **CKPT_FORMAT)
     trainer = make_trainer("paddleformers", make_tiny_llama(seed=0), args, [])
     cb = attach(trainer, "checkpoint_hook")
@@ -104,7 +107,9 @@ def test_checkpoint_hook_layout_rotation_and_resume(tmp_path):
         assert not [p for p in os.listdir(run / c) if p.startswith(".tmp-")]
     assert cb.events == ["checkpoint@2", "checkpoint@4", "checkpoint@6"]
     # no separate on_save snapshot next to the checkpoints
-    assert not (run / "fullparam").exists() or not [p for p in os.listdir(run / "fullparam") if p.startswith("hf-step")]
+    assert not (run / "fullparam").exists()  # nor an empty snapshot directory left behind
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("snapshot ")]
+    assert [line.split(" (")[0] for line in lines] == [f"snapshot checkpoint-{n}/hf" for n in (2, 4, 6)]
     # resuming from a checkpoint that holds a snapshot keeps working
     args2 = trainer_args("paddleformers", str(run), 8, save_steps=2, save_total_limit=2, **CKPT_FORMAT)
     trainer2 = make_trainer("paddleformers", make_tiny_llama(seed=0), args2, [])

@@ -49,8 +49,10 @@ class TriggerConfig:
 
     every_n_steps: Optional[int] = None
     """Export every N optimizer steps (N >= 1); unset (null) turns this trigger off."""
-    on_save: bool = True
-    """Export when the trainer saves a checkpoint."""
+    on_save: Optional[bool] = None
+    """Export when the trainer saves a checkpoint. Unset (null): only when neither every_n_steps nor
+    on_evaluate is set, so that a job that asks for every N steps gets exactly that cadence (with
+    both, every trainer save would add a snapshot: steps 5, 6, 10, 12 for N=5 and saves every 6)."""
     on_evaluate: bool = False
     """Export after each evaluation."""
     on_train_end: bool = True
@@ -58,7 +60,15 @@ class TriggerConfig:
     min_interval_s: float = 0.0
     """Skip an export that would start sooner than this after the previous one (train_end never skips)."""
 
+    @property
+    def exports_on_save(self) -> bool:
+        if self.on_save is None:
+            return self.every_n_steps is None and not self.on_evaluate
+        return bool(self.on_save)
+
     def __post_init__(self):
+        if self.on_save is not None and not isinstance(self.on_save, bool):
+            raise ConfigError("trigger.on_save", f"must be true, false or null (automatic); got {self.on_save!r}")
         n = self.every_n_steps
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ConfigError(

@@ -173,6 +173,7 @@ class ExportSession:
         self._atexit_registered = False
         self._ring = None
         self._lock = None
+        self._created_dir = False
         self.is_open = False  # between start() and close()
         self.pattern = snapshot_step_pattern(config.export.name_template)
         self.run_id, self._seq = new_run_id(), 1  # settled by start()
@@ -191,6 +192,7 @@ class ExportSession:
             self.fn = load_callable(self.config.export.callable)  # every rank: a ConfigError now, not at the first export
         if self.ctx.is_coordinator and self.config.export.format != "callable":
             try:
+                self._created_dir = not self.output_dir.exists()
                 commit.check_output_dir(self.output_dir)
                 commit.check_pointers(self.output_dir)
                 # one job per output_dir: only then are leftovers surely ours to remove
@@ -210,6 +212,8 @@ class ExportSession:
         self.run_id, self._seq = gathered[self.ctx.coordinator][1]
         self._start_watchdog()
         self.is_open = True
+        if self.ctx.is_coordinator and self.config.export.format != "callable":
+            logger.info("full-parameter snapshots go to %s (run %s)", self.output_dir, self.run_id)
         if removed:
             logger.info("removed %d leftover(s) of interrupted exports in %s: %s", len(removed), self.output_dir, removed)
         return removed
@@ -238,6 +242,22 @@ class ExportSession:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+            self._remove_if_unused()
+
+    def _remove_if_unused(self) -> None:
+        """An output_dir this job created and never exported into (e.g. the checkpoint hook wrote every
+        snapshot into the trainer's checkpoints) is removed again, with the package's own entries."""
+        if not self._created_dir:
+            return
+        try:
+            entries = {p.name for p in self.output_dir.iterdir()}
+            if entries - {PROGRESS_DIR}:
+                return
+            if PROGRESS_DIR in entries:
+                shutil.rmtree(self.output_dir / PROGRESS_DIR, ignore_errors=True)
+            self.output_dir.rmdir()
+        except OSError:
+            pass  # another process wrote into it meanwhile: it stays
 
     def _check_target(self, final: Path) -> None:
         """What is at a snapshot's name may be replaced only if it is this run's snapshot."""
@@ -568,7 +588,8 @@ class ExportSession:
         if ctx.is_coordinator:
             logger.info(
                 "snapshot %s (step %d, %s): %d files, %.1f MB in %.2f s (%.2f GB/s), training stalled %.2f s",
-                name, step, job.reason or "export", info.files, info.bytes / 1e6, total,
+                name if job.pointers else f"{job.out_dir.name}/{name}", step, job.reason or "export", info.files,
+                info.bytes / 1e6, total,
                 info.bytes / 1e9 / max(total, 1e-9), stall,
             )
         return info

@@ -110,7 +110,7 @@ class FullParamExportCallback:
 
     def on_save(self, args, state, control, **kwargs):
         # with the checkpoint hook, the save-time snapshot goes into checkpoint-N/ instead
-        if self.config.trigger.on_save and not self._hooked:
+        if self.config.trigger.exports_on_save and not self._hooked:
             self._event(args, state, kwargs, "save")
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):

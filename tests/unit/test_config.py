@@ -257,3 +257,14 @@ def test_output_dir_expands_the_home_directory():
     import os
 
     assert load_config(None, ["output_dir=~/snaps"]).output_dir == os.path.join(os.path.expanduser("~"), "snaps")
+
+
+@pytest.mark.parametrize("overrides, exports_on_save", [
+    ([], True),  # nothing else asked: snapshots follow the trainer's saves
+    (["trigger.every_n_steps=5"], False),  # a cadence was asked for: exactly that one
+    (["trigger.on_evaluate=true"], False),
+    (["trigger.every_n_steps=5", "trigger.on_save=true"], True),  # said explicitly: both
+    (["trigger.on_save=false"], False),
+])
+def test_on_save_by_default_only_without_another_cadence(overrides, exports_on_save):
+    assert load_config(None, overrides).trigger.exports_on_save is exports_on_save
