@@ -80,9 +80,10 @@ def _cmd_recipes(ns) -> int:
 def _cmd_plan(ns) -> int:
     from ..plan.topology import plan_topology, plan_writes
 
-    axes = [("data", ns.dp), ("pipe", ns.pp), ("sharding", ns.sharding), ("sep", ns.sep), ("model", ns.mp)]
+    axes = [("data", ns.dp), ("pipe", ns.pp), ("sharding", ns.sharding), ("sep", ns.sep), ("expert", ns.ep),
+            ("model", ns.mp)]
     try:
-        topo = plan_topology(axes, ns.sharding_stage)
+        topo = plan_topology(axes, ns.sharding_stage, [ns.experts_over] if ns.experts_over else ())
     except ValueError as e:
         print(f"paddle-fullparam plan: {e}", file=sys.stderr)
         return 2
@@ -145,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, helptext in (("--dp", "data parallel degree"), ("--sharding", "sharding degree"), ("--pp", "pipeline degree"),
                            ("--mp", "tensor (model) parallel degree"), ("--sep", "sequence/context parallel degree")):
         pl.add_argument(flag, type=_count(1), default=1, help=f"{helptext}, a whole number >= 1 (default 1)")
+    pl.add_argument("--ep", type=_count(1), default=1,
+                    help="expert parallel degree: a dedicated axis whose ranks hold different experts (default 1)")
+    pl.add_argument("--experts-over", choices=("data", "model", "sharding"),
+                    help="the experts are spread over this existing axis instead (PaddleFormers' moe_group, e.g. data)")
     pl.add_argument("--sharding-stage", type=int, choices=(1, 2, 3), default=1,
                     help="1 or 2: sharding replicas split the work; 3: sharding joins the mesh (default 1)")
     pl.add_argument("--files", type=_count(1), default=8, help="number of shard files to assign to writers (default 8)")

@@ -24,9 +24,9 @@ from ..config.recipes import coerce_config
 from ..config.schema import FullParamConfig
 from ..export.runner import ExportError, ExportSession, SnapshotInfo
 from ..plan.decisions import Decision, decide
-from .model_info import build_model_source
+from .model_info import build_model_source, unwrap_model
 from .trainer_paths import check_trainer_paths
-from .topology import build_context
+from .topology import build_context, expert_axes_of
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 
@@ -91,7 +91,7 @@ class FullParamExportCallback:
         if self.session is not None and self.session.is_open:
             return
         check_trainer_paths(self.config, self._output_dir(args), getattr(args, "output_dir", None))
-        ctx = build_context(args, self.config.topology.sharding_stage)
+        ctx = build_context(args, self.config.topology.sharding_stage, expert_axes_of(unwrap_model(model)))
         session = ExportSession(self.config, self._output_dir(args), fn=self.fn, ctx=ctx)
         session.start(resume=bool(getattr(state, "global_step", 0)))
         self._source = build_model_source(model, self.config, tokenizer)

@@ -42,20 +42,43 @@ def sharding_stage_of(args) -> int:
     return stage
 
 
+# PaddleFormers' moe_group (nn/moe/utils.py _parse_moe_group) -> the axes its experts are spread over
+_MOE_GROUP_AXES = {"data": ("data",), "dp": ("data",), "mp": ("model",), "model": ("model",), "tp": ("model",),
+                   "none": ("data", "pipe", "sharding", "sep", "context", "model"), "world": None, "all": None,
+                   "dummy": ()}
+
+
+def expert_axes_of(model) -> tuple:
+    """The hybrid axes over which the model places different experts on different ranks (by its
+    config's ``moe_group``); () for a dense model. The pipe axis is never one (stages hold
+    different layers already)."""
+    config = getattr(model, "config", None)
+    group = getattr(config, "moe_group_origin", None) or getattr(config, "moe_group", None)
+    if not isinstance(group, str):
+        return ()
+    axes = _MOE_GROUP_AXES.get(group.lower(), ())
+    if axes is None:  # every rank
+        axes = _MOE_GROUP_AXES["none"]
+    return tuple(a for a in axes if a != "pipe")
+
+
 def axes_of_job(hcg, world_size: int) -> list:
     if hcg is None:
         return [("data", world_size)]
     topo = hcg.topology()
     names = topo.get_hybrid_group_names()
     axes = [(n, topo.get_dim(n)) for n in names]
-    unsupported = [n for n, d in axes if d > 1 and n not in ("data", "pipe", "sharding", "sep", "context", "model")]
+    known = ("data", "pipe", "sharding", "sep", "context", "expert", "model")
+    unsupported = [n for n, d in axes if d > 1 and n not in known]
     if unsupported:
         raise NotImplementedError(f"parallel axes {unsupported} are not supported by the exporter yet")
-    return [(n, d) for n, d in axes if n in ("data", "pipe", "sharding", "sep", "context", "model")]
+    return [(n, d) for n, d in axes if n in known]
 
 
-def build_context(args=None, sharding_stage: Optional[int] = None) -> "LocalContext | DistContext":
-    """The export context of this rank; collective when groups must be created (all ranks call it)."""
+def build_context(args=None, sharding_stage: Optional[int] = None, expert_axes: tuple = ()) -> "LocalContext | DistContext":
+    """The export context of this rank; collective when groups must be created (all ranks call it).
+
+    ``expert_axes``: see :func:`expert_axes_of` (the model's experts spread over these axes)."""
     import paddle.distributed as dist
 
     world = dist.get_world_size()
@@ -64,7 +87,9 @@ def build_context(args=None, sharding_stage: Optional[int] = None) -> "LocalCont
     rank = dist.get_rank()
     hcg = _hcg()
     stage = sharding_stage if sharding_stage is not None else sharding_stage_of(args)
-    plan: TopologyPlan = plan_topology(axes_of_job(hcg, world), stage)
+    axes = axes_of_job(hcg, world)
+    present = {n for n, d in axes if d > 1}
+    plan: TopologyPlan = plan_topology(axes, stage, [a for a in expert_axes if a in present])
     if plan.world_size != world:
         raise ValueError(f"the topology {plan.axes} has {plan.world_size} ranks but the job has {world}")
     mesh = plan.mesh_of(rank)

@@ -116,8 +116,15 @@ def normalize_axes(axes: Sequence[Tuple[str, int]]) -> Tuple[Tuple[str, int], ..
     return tuple(out)
 
 
-def plan_topology(axes: Sequence[Tuple[str, int]], sharding_stage: int = 1) -> TopologyPlan:
+def plan_topology(axes: Sequence[Tuple[str, int]], sharding_stage: int = 1,
+                  expert_axes: Sequence[str] = ()) -> TopologyPlan:
     """Meshes of a hybrid topology.
+
+    ``expert_axes``: axes over which a MoE model places different experts on different ranks
+    (PaddleFormers' ``moe_group``: "data" or "model"; a dedicated ``expert`` axis is always one).
+    They join the mesh: an expert held whole by one rank of the axis is gathered from its owner,
+    while dense parameters are replicas inside the mesh; only the remaining replica axes split the
+    export.
 
     >>> p = plan_topology([("data", 2), ("pipe", 1), ("sharding", 1), ("sep", 1), ("model", 2)])
     >>> [m.rows for m in p.meshes]
@@ -131,6 +138,11 @@ def plan_topology(axes: Sequence[Tuple[str, int]], sharding_stage: int = 1) -> T
     names = [n for n, _ in axes]
     degrees = [d for _, d in axes]
     horizontal = {"model", "expert"} | ({"sharding"} if sharding_stage == 3 else set())
+    for name in expert_axes:
+        canon = AXIS_ALIASES.get(str(name).lower())
+        if canon is None or canon == "pipe":
+            raise ValueError(f"experts cannot be placed over axis {name!r}")
+        horizontal.add(canon)
     h_axes = tuple(n for n in names if n in horizontal)
     v_axes = tuple(n for n in names if n == "pipe")
     r_axes = tuple(n for n in names if n not in horizontal and n != "pipe")

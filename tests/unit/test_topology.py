@@ -139,3 +139,46 @@ def test_cli_plan_json():
     assert obj["num_splits"] == 2
     assert obj["meshes"][0] == {"h": [[0, 1], [2, 3]], "v": [[0, 2], [1, 3]]}
     assert sorted(f for fs in obj["writers"].values() for f in fs) == [0, 1, 2, 3, 4]
+
+
+def test_experts_spread_over_the_data_axis_join_the_mesh():
+    # PaddleFormers' moe_group=data: dp ranks hold different experts, so dp is no longer a replica axis
+    t = plan_topology([("data", 2), ("pipe", 1), ("sharding", 2), ("sep", 1), ("model", 2)], 1, ["data"])
+    assert t.horizontal_axes == ("data", "model") and t.replica_axes == ("sharding", "sep")
+    assert [m.rows for m in t.meshes] == [((0, 1, 4, 5),), ((2, 3, 6, 7),)]  # sharding replicas still split
+    # a dedicated expert axis joins without being asked
+    e = plan_topology([("data", 2), ("expert", 2), ("model", 2)])
+    assert e.horizontal_axes == ("expert", "model") and [m.rows for m in e.meshes] == [((0, 1, 2, 3),), ((4, 5, 6, 7),)]
+    with pytest.raises(ValueError, match="experts cannot be placed over axis 'pipe'"):
+        plan_topology([("pipe", 2), ("model", 2)], 1, ["pipe"])
+
+
+def test_cli_plan_shows_the_expert_axis():
+    from paddle_fullparam_callbacks.cli.main import main
+
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["plan", "--dp", "2", "--mp", "2", "--experts-over", "data", "--json"]) == 0
+    out = json.loads(buf.getvalue())
+    assert out["horizontal_axes"] == ["data", "expert", "model"] and out["num_splits"] == 1
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["plan", "--dp", "2", "--ep", "2", "--mp", "2"]) == 0
+    assert "mesh rows (horizontal) over expert, model" in buf.getvalue()
+
+
+@pytest.mark.parametrize("moe_group, axes", [
+    ("dp", ("data",)), ("data", ("data",)), ("mp", ("model",)), ("tp", ("model",)), ("dummy", ()),
+    ("world", ("data", "sharding", "sep", "context", "model")), (None, ()),
+])
+def test_expert_axes_from_the_models_moe_group(moe_group, axes):
+    from types import SimpleNamespace
+
+    from paddle_fullparam_callbacks.integrations.topology import expert_axes_of
+
+    assert expert_axes_of(SimpleNamespace(config=SimpleNamespace(moe_group=moe_group))) == axes
+    # PaddleFormers replaces config.moe_group by the group object and keeps the text here
+    assert expert_axes_of(SimpleNamespace(config=SimpleNamespace(moe_group=object(), moe_group_origin=moe_group))) == axes
