@@ -399,8 +399,10 @@ class MeshAssembler:
         return sorted(set(ready), key=self._order.__getitem__)
 
     def _release(self, name: str) -> None:
-        for e in self.dmap.entries[name]:
-            for it in self._items_by_key.get(e.source_slice.key, ()):
+        """Destination ``name`` is done: each source slice it used loses one pending user (once,
+        however many of its entries read that slice: a fused q/k/v destination has one per head)."""
+        for key in dict.fromkeys(e.source_slice.key for e in self.dmap.entries[name]):
+            for it in self._items_by_key.get(key, ()):
                 if it.id in self._pending_uses and name in self._users.get(it.id, ()):
                     self._pending_uses[it.id] -= 1
                     if self._pending_uses[it.id] == 0:

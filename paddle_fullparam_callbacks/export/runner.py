@@ -68,6 +68,9 @@ class ModelSource:
 
     sharded_state_dict: Callable[[], dict]
     aoa_config: Optional[dict] = None
+    # when the mapping depends on the whole model (a pipeline stage sees only its layers): called
+    # with every mesh rank's source names and global shapes, it returns the aoa config to use
+    mapping_for: Optional[Callable[[Dict[str, tuple]], Optional[dict]]] = None
     hf_config: Optional[dict] = None
     generation_config: Optional[dict] = None
     tokenizer: Any = None
@@ -290,7 +293,10 @@ class ExportSession:
         world_sig = _digest(sigs)
         if self._prepared is not None and self._prepared.signature == world_sig:
             return self._prepared
-        records = [r for per_rank in ctx.mesh_gather_object(local, "plan: shard records") for r in per_rank]
+        # with each rank's records, its padding rows: the pipeline stage holding the embedding tells the writer
+        gathered = ctx.mesh_gather_object((local, source.padding_rows), "plan: shard records")
+        records = [r for per_rank, _ in gathered for r in per_rank]
+        padding_rows = {k: v for _, rows in gathered for k, v in rows.items()}
         mapped = self.config.export.format != "paddle_safetensors"
         error, prepared = None, None
         try:
@@ -302,10 +308,12 @@ class ExportSession:
                             f"parameter {r.key!r} is a slice {list(r.shape)} of {list(r.global_shape)} on rank {r.rank}, "
                             "but the topology gives this rank a mesh of one: the parallel axes do not match the job"
                         )
+            if mapped and source.mapping_for is not None:
+                source.aoa_config = source.mapping_for({r.key: tuple(r.global_shape) for r in records})
             dmap = build_destination_map(shard_info_from_records(records), source.aoa_config if mapped else None)
             if source.check_mapping is not None:
                 source.check_mapping(dmap)
-            zero_rows = padding_destinations(dmap, source.padding_rows)
+            zero_rows = padding_destinations(dmap, padding_rows)
             specs = apply_export_dtype(dmap.specs, self.config.export.dtype)
             plan = build_export_plan(specs, self.config.export.max_shard_bytes)
             order = [s.name for f in plan.files for s in sorted(f.slots, key=lambda s: s.begin)]

@@ -171,13 +171,23 @@ def single_process_config(config) -> dict:
 def hf_config_dict(model, tied: bool, preset=None) -> Optional[dict]:
     """config.json content for transformers: the single-process model config, HF's required keys set.
 
+    For a pipeline model (PaddleFormers' ``*ForCausalLMPipe``) it is the config of its plain
+    causal-LM class (``integrations/pipe.py``): that class's name and initializer values, no
+    pipeline- or parallel-only keys.
+
     ``preset``: a mapping preset of this package; its ``hf_config`` translates the keys and it
     names the Hugging Face architecture (a framework's own mapping keeps the framework's names).
     """
     config = getattr(model, "config", None)
     if config is None:
         return None
+    from .pipe import is_pipeline_model, plain_config
+
     out = single_process_config(config)
+    if is_pipeline_model(model):
+        # a *ForCausalLMPipe rewrote its config in place (see integrations/pipe.py): the snapshot
+        # describes the plain causal-LM class, with the config that class would have
+        out = plain_config(model, out, single_process_config)
     q = out.get("quantization_config")
     if not (isinstance(q, dict) and q.get("quant_method")):
         out.pop("quantization_config", None)  # an empty Paddle quant config would make HF try to quantize
@@ -195,9 +205,14 @@ def hf_config_dict(model, tied: bool, preset=None) -> Optional[dict]:
 
 
 def plain_class_name(model) -> str:
-    """The single-process causal-LM class a snapshot describes: ``LlamaForCausalLMPipe`` ->
-    ``LlamaForCausalLM``, PaddleFormers' ``Qwen2ForCausalLMPipeDeprecated`` -> ``Qwen2ForCausalLM``."""
-    name = type(model).__name__
+    """The single-process causal-LM class a snapshot describes, by its Hugging Face name:
+    ``LlamaForCausalLMPipe`` -> ``LlamaForCausalLM`` (the class the pipeline class borrows its name
+    mapping from, see ``integrations/pipe.py``), PaddleFormers' ``Qwen2ForCausalLMPipeDeprecated`` ->
+    ``Qwen2ForCausalLMDeprecated`` -> ``Qwen2ForCausalLM`` (its pure-Paddle implementation of that class)."""
+    from .pipe import plain_counterpart
+
+    plain = plain_counterpart(model)
+    name = plain.__name__ if plain is not None else type(model).__name__
     for suffix in ("Deprecated", "Pipe"):
         name = name[: -len(suffix)] if name.endswith(suffix) else name
     return name
@@ -214,11 +229,14 @@ def generation_config_dict(model) -> Optional[dict]:
 def embedding_padding_row(model, sharded_state_dict) -> Optional[Tuple[str, int]]:
     """(source key, row) when the input embedding has a Paddle ``padding_idx``: Paddle returns
     zeros for that id whatever the row holds; torch returns the row."""
+    from .pipe import input_embedding, is_pipeline_model
+
     try:
-        pad = getattr(model.get_input_embeddings(), "_padding_idx", None)
+        layer = input_embedding(model) if is_pipeline_model(model) else model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         return None
-    weight = _embedding(model, "input")
+    pad = getattr(layer, "_padding_idx", None)
+    weight = _layer_weight(layer) if layer is not None else None
     key = _key_of(sharded_state_dict, weight) if weight is not None else None
     if pad is None or isinstance(pad, bool) or key is None:
         return None
@@ -265,30 +283,47 @@ def _family(name: str) -> str:
 
 
 def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) -> ModelSource:
-    """Everything the export layer needs, from the (unwrapped) model; validates the mapping names."""
+    """Everything the export layer needs, from the (unwrapped) model; validates the mapping names.
+
+    The mapping is resolved here from this rank's tensors (so that a bad ``export.aoa`` fails at
+    once), and again when the export plans, from every mesh rank's tensors (a pipeline stage holds
+    only its own layers; a preset writes statements for the whole model).
+    """
+    from .pipe import single_named
+    from .shard_fixes import fixed_sharded_state_dict  # tensor-parallel entries that contradict their layer
+
     model = unwrap_model(model)
     if not hasattr(model, "sharded_state_dict"):
         raise TypeError(
             f"{type(model).__name__} has no sharded_state_dict(): the exporter needs a paddle.nn.Layer "
             "(Paddle >= 3.3) so that every parameter reports its global shape and offset"
         )
+    read = fixed_sharded_state_dict(model, single_named(model))
     hf = config.export.format == "hf_safetensors"
-    sd = model.sharded_state_dict()
+    sd = read()
     lm_head, tied = output_embedding(model, sd)
-    resolved, check, notes, padding = None, None, {}, {}
+    resolved, mapping_for, check, notes, padding = None, None, None, {}, {}
     if config.export.format != "paddle_safetensors":
-        shapes = {k: tuple(sw.global_shape) for k, sw in sd.items()}
-        model_config = getattr(model, "config", None)
-        resolved = resolve_mapping(config.export.aoa, model, shapes, tied=tied,
-                                   config=single_process_config(model_config) if model_config is not None else None,
-                                   parallel=parallel_degrees(model_config))
-        notes["mapping"] = resolved.source
-        if resolved.repairs:
-            notes["mapping_repairs"] = resolved.repairs
-            for r in resolved.repairs:
-                logger.warning("%s: %s", resolved.source, r)
         spec = config.export.aoa
-        check = lambda dmap: _check_mapping(dmap, resolved, spec, tied, lm_head)  # noqa: E731
+        model_config = getattr(model, "config", None)
+        kwargs = dict(tied=tied, config=single_process_config(model_config) if model_config is not None else None,
+                      parallel=parallel_degrees(model_config))
+        resolved = resolve_mapping(spec, model, {k: tuple(sw.global_shape) for k, sw in sd.items()}, **kwargs)
+        state = {"resolved": resolved}
+
+        def mapping_for(shapes):  # every mesh rank's tensors: the mapping of the whole model
+            whole = resolve_mapping(spec, model, shapes, **kwargs)
+            state["resolved"] = whole
+            notes["mapping"] = whole.source
+            notes.pop("mapping_repairs", None)
+            if whole.repairs:
+                notes["mapping_repairs"] = whole.repairs
+            return whole.aoa_config
+
+        for r in resolved.repairs:
+            logger.warning("%s: %s", resolved.source, r)
+        notes["mapping"] = resolved.source
+        check = lambda dmap: _check_mapping(dmap, state["resolved"], spec, tied, lm_head)  # noqa: E731
         pad = embedding_padding_row(model, sd) if hf else None
         if pad is not None:
             key, row = pad
@@ -302,8 +337,9 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
             else:
                 padding[key] = row
     return ModelSource(
-        sharded_state_dict=model.sharded_state_dict,
+        sharded_state_dict=read,
         aoa_config=resolved.aoa_config if resolved else None,
+        mapping_for=mapping_for,
         hf_config=hf_config_dict(model, tied, resolved.preset if resolved else None) if hf else None,
         generation_config=generation_config_dict(model) if hf else None,
         tokenizer=tokenizer,

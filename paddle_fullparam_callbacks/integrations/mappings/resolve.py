@@ -35,8 +35,12 @@ def _framework(cls) -> str:
 
 
 def auto_preset(model) -> Optional[Preset]:
-    """The preset registered for the model's class or the nearest base class that has one."""
-    for cls in type(model).__mro__:
+    """The preset registered for the model's class or the nearest base class that has one; a
+    pipeline model (``*ForCausalLMPipe``) is exported as its single-process class."""
+    from ..pipe import plain_counterpart
+
+    plain = plain_counterpart(model)
+    for cls in type(model).__mro__ + (plain.__mro__ if plain is not None else ()):
         name = AUTO.get((_framework(cls), cls.__name__))
         if name:
             return PRESETS[name]
@@ -59,6 +63,14 @@ def known_architectures() -> str:
 
 
 _LM_HEAD_DROP = re.compile(r"^\s*lm_head\.weight\s*->\s*_\s*$")
+_FUSED_ON_T = re.compile(r"^\s*(\S+)\^T\s*->\s*(\S+?)\s*,\s*fused_ffn\s*$")
+def _split_then_transpose(statement: str) -> List[str]:
+    m = _FUSED_ON_T.match(statement)
+    if not m:
+        return [statement]
+    return [f"{m.group(1)} -> {m.group(2)}, fused_ffn", f"{m.group(2)}^T -> {m.group(2)}"]
+
+
 _CAST = re.compile(r"\s*,\s*(src_dtype|dst_dtype|dtype)\s*=\s*['\"]?\w+['\"]?")
 
 
@@ -78,6 +90,13 @@ def _repair_framework_mapping(cfg: dict, tied: bool, source_keys: Iterable[str])
     if "lm_head.weight" in set(source_keys) and not tied and any(_LM_HEAD_DROP.match(s) for s in statements):
         statements = [("lm_head.weight -> lm_head.weight" if _LM_HEAD_DROP.match(s) else s) for s in statements]
         repairs.append("lm_head.weight exported (the model's LM head is its own weight; the mapping dropped it)")
+    # 'a^T -> b, fused_ffn' splits along the transposed axis, which under tensor parallelism puts
+    # the gate/up halves of each rank in the wrong order (PaddleFormers 1.2's Phi3: logits off by
+    # 2.5 under mp2): split first, then transpose
+    fused = [s for s in statements if _FUSED_ON_T.match(s)]
+    if fused:
+        statements = [x for s in statements for x in _split_then_transpose(s)]
+        repairs.append(f"fused_ffn applied before the transpose in {len(fused)} statement(s), e.g. {fused[0]!r}")
     statements, idle = _drop_inapplicable(statements, set(source_keys))
     if idle:
         repairs.append(f"{len(idle)} statement(s) about tensors this model does not have removed, e.g. {idle[0]!r}")
