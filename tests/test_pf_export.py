@@ -61,7 +61,7 @@ def test_paddle_assembler_gives_identical_bytes(tmp_path):
     ma = json.loads((a.path / "fullparam_manifest.json").read_text())["files"]
     mb = json.loads((b.path / "fullparam_manifest.json").read_text())["files"]
     shards = [f for f in ma if f.endswith(".safetensors")]
-    assert shards and all(ma[f]["sha256"] == mb[f]["sha256"] for f in shards)
+    assert shards and all(ma[f]["blake3"] == mb[f]["blake3"] for f in shards)
 
 
 def test_paddle_safetensors_loads_back_with_set_state_dict(tmp_path):

@@ -80,8 +80,8 @@ def test_multirank_export(tmp_path, topology):
             r["rank"] for r in reports if r["files_written_here"][0])
         if differential:
             other = json.loads((tmp_path / "paddle" / snap.name / "fullparam_manifest.json").read_text())
-            shards = {f: m["sha256"] for f, m in manifest["files"].items() if f.endswith(".safetensors")}
-            assert shards == {f: m["sha256"] for f, m in other["files"].items() if f.endswith(".safetensors")}
+            shards = {f: m["blake3"] for f, m in manifest["files"].items() if f.endswith(".safetensors")}
+            assert shards == {f: m["blake3"] for f, m in other["files"].items() if f.endswith(".safetensors")}
     assert (tmp_path / "builtin" / "latest").read_text().strip() == "hf-step-000004"
     assert not list((tmp_path / "builtin").glob(".tmp-*"))
 

@@ -14,7 +14,7 @@ import pytest
 from paddle_fullparam_callbacks import ConfigError, FullParamExportCallback, verify_snapshot
 from paddle_fullparam_callbacks.cli.demo import make_tiny_llama, make_trainer, trainer_args
 from paddle_fullparam_callbacks.config import load_config
-from paddle_fullparam_callbacks.export import ExportError, ExportSession
+from paddle_fullparam_callbacks.export import ExportSession
 from paddle_fullparam_callbacks.export.lock import LOCK, OutputDirLocked
 from paddle_fullparam_callbacks.integrations.model_info import build_model_source
 

@@ -146,7 +146,7 @@ def check_snapshot_dir(run: DemoRun, kept: List[str], pointers=("latest",)) -> N
     assert [r.name for r in run.kept()] == kept
     latest = (run.snaps / "latest").read_text().strip()
     assert latest == run.rows[-1].name and run.line("latest -> ") == f"latest -> {latest}"
-    assert f"ok (latest" in next(r.status for r in run.rows if r.name == latest)
+    assert "ok (latest" in next(r.status for r in run.rows if r.name == latest)
 
 
 def name(step: int) -> str:

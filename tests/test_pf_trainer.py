@@ -68,6 +68,6 @@ def test_cli_demo_verify_and_recipes(tmp_path):
     v = run_cli("verify", str(good), "--json")
     report = json.loads(v.stdout)
     assert v.returncode == 1 and not report["ok"]
-    assert any(shard.name in e and "sha256" in e for e in report["errors"])
+    assert any(shard.name in e and "blake3 differs from the manifest" in e for e in report["errors"])
     r = run_cli("recipes")
     assert r.returncode == 0 and "demo_tiny_llama" in r.stdout and "hf_every_n_steps" in r.stdout

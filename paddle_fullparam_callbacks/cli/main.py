@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a snapshot directory, an output directory (its hf-step-* snapshots and latest/best "
                         "pointers), or a latest/best pointer file")
     v.add_argument("--json", action="store_true", help="print one JSON object (exit 0 ok, 1 damaged, 2 usage)")
-    v.add_argument("--no-hash", action="store_true", help="skip sha256 (sizes and headers only)")
+    v.add_argument("--no-hash", action="store_true", help="skip the checksums (sizes and headers only)")
     v.add_argument("--transformers", action="store_true",
                    help="also load each snapshot with transformers on the meta device (needs torch, transformers, "
                         "accelerate) and report missing, unexpected, mis-shaped and mis-typed tensors")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import collections
-import hashlib
 import time
 from importlib import metadata
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Dict, Iterable
 
 from .. import _dtypes
 from .._version import __version__
+from . import checksum
 from ..plan.export_plan import ExportPlan
 
 MANIFEST_VERSION = 1
@@ -44,7 +44,7 @@ def describe_files(directory: Path, names: Iterable[str]) -> Dict[str, tuple]:
     out = {}
     for n in names:
         data = (directory / n).read_bytes()
-        out[n] = (len(data), hashlib.sha256(data).hexdigest())
+        out[n] = (len(data), checksum.new(checksum.DEFAULT, data).hexdigest())
     return out
 
 
@@ -73,7 +73,8 @@ def build_manifest(*, name, step, reason, metrics, config, plan: ExportPlan, fil
         "num_tensors": plan.num_tensors,
         "tensor_bytes": plan.total_tensor_bytes,
         "total_bytes": total,
-        "files": {n: {"bytes": b, "sha256": h} for n, (b, h) in sorted(files.items())},
+        "checksum": checksum.DEFAULT,
+        "files": {n: {"bytes": b, checksum.DEFAULT: h} for n, (b, h) in sorted(files.items())},
         "topology": topology or {"world_size": 1, "meshes": [[0]]},
         "timings": {k: round(v, 6) for k, v in timings.items()},
         "versions": versions(),

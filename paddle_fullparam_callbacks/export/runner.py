@@ -8,7 +8,7 @@ The same flow serves one process and many ranks (``ctx``: see ``distributed.py``
 3. the coordinator creates the staging directory and tells everyone its name;
 4. each mesh assembles its split; each rank writes only its own files, all at the same time;
 5. status exchange: every rank learns whether every rank succeeded, and the per-file sizes and
-   sha256; on any failure everyone raises the same error and the coordinator removes staging;
+   checksum; on any failure everyone raises the same error and the coordinator removes staging;
 6. the coordinator writes index, config, tokenizer, manifest (last), renames, updates
    ``latest`` and retention; a last exchange tells everyone the outcome.
 
@@ -543,7 +543,7 @@ class ExportSession:
                 job.exception = e
 
     def _finish_local(self, job: "_Job") -> None:
-        """This rank's files: wait for the writer, fsync, sizes and sha256 (or abort on error)."""
+        """This rank's files: wait for the writer, fsync, sizes and checksums (or abort on error)."""
         if job.error is None:
             try:
                 _faults.point("finish")
@@ -559,7 +559,7 @@ class ExportSession:
     def _finish_global(self, job: "_Job") -> SnapshotInfo:
         """Status exchange, then the coordinator commits and everyone learns the outcome."""
         ctx, name, step = self.ctx, job.name, job.step
-        statuses = ctx.all_gather_object((job.error, {k: (v.bytes, v.sha256) for k, v in job.files.items()}),
+        statuses = ctx.all_gather_object((job.error, {k: (v.bytes, v.digest) for k, v in job.files.items()}),
                                          what="status exchange")
         errors = [(r, e) for r, (e, _) in enumerate(statuses) if e]
         if errors:
@@ -642,7 +642,7 @@ class ExportSession:
             logger.info("retention (keep_last=%d, keep_best=%d) removed %s", ret.keep_last, ret.keep_best, removed)
 
     def _write_side_files(self, staging: Path, source: ModelSource, plan: ExportPlan) -> Dict[str, tuple]:
-        """Index, config.json, generation_config.json, tokenizer files -> {file: (bytes, sha256)}."""
+        """Index, config.json, generation_config.json, tokenizer files -> {file: (bytes, digest)}."""
         written = []
         if plan.needs_index:
             commit.write_json_durable(staging / commit.INDEX, plan.index())

@@ -9,7 +9,6 @@ SHA-256 overlap; the bytes it holds for tensors not yet on disk never exceed
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -23,6 +22,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from .. import _dtypes
+from . import checksum
 from ..plan.export_plan import ExportPlan, ShardFile, TensorSlot
 from .. import _faults
 from .commit import fsync_dir
@@ -38,7 +38,7 @@ class SafetensorsFormatError(ValueError):
 class FileResult:
     name: str
     bytes: int
-    sha256: str
+    digest: str  # checksum.DEFAULT of the whole file
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -48,14 +48,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         offset += n
 
 
-def sha256_file(path: Path, chunk: int = 16 * 2**20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                return h.hexdigest()
-            h.update(b)
 
 
 _BLOCK_BYTES = 8 * 2**20
@@ -105,9 +97,9 @@ class _QueueWorker:
 
 
 class _Hasher(_QueueWorker):
-    """SHA-256 on a thread of its own, fed in order: hashing overlaps the disk writes.
-
-    ``hashlib`` releases the GIL on large buffers, so on two cores this runs beside ``pwrite``.
+    """The checksum (``checksum.DEFAULT``) on a thread of its own, fed in order: hashing overlaps
+    the disk writes. Both hashers release the GIL on large buffers, so on two cores this runs
+    beside ``pwrite``.
     At most ``max_blocks`` blocks wait (each at most a tensor view or an 8 MB copy).
     """
 
@@ -197,7 +189,7 @@ class _FileState:
         self.path = directory / spec.name
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.base = len(spec.header)
-        self.hash = hashlib.sha256(spec.header)
+        self.hash = checksum.new(checksum.DEFAULT, spec.header)
         _pwrite_all(self.fd, memoryview(spec.header), 0)
         self.order = sorted(spec.slots, key=lambda s: s.begin)
         self.next_slot = 0  # index into order of the first slot not yet hashed in sequence
@@ -233,7 +225,7 @@ class _FileState:
         os.close(self.fd)
         self.fd = -1
         self.hasher.drain()
-        digest = sha256_file(self.path) if self.rehash else self.hash.hexdigest()
+        digest = checksum.digest_of_file(self.path) if self.rehash else self.hash.hexdigest()
         return FileResult(self.spec.name, self.spec.total_bytes, digest)
 
     def close_quietly(self) -> None:

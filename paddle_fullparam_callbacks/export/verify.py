@@ -1,4 +1,4 @@
-"""Check a snapshot against its manifest and index: files, sizes, sha256, headers, tensors.
+"""Check a snapshot against its manifest and index: files, sizes, checksums, headers, tensors.
 
 Everything read is untrusted and every flaw is reported, never raised: names from the manifest
 and the index must be plain file names and are opened through ``verify_paths`` (never outside
@@ -16,7 +16,8 @@ from typing import Dict, List, Optional, Tuple
 
 from .commit import INDEX, MANIFEST
 from .safetensors_io import SafetensorsFormatError, parse_header, short
-from .verify_paths import SnapshotDir, Unreadable, describe_path, json_kind, label, name_problem, sha256_of
+from . import checksum
+from .verify_paths import SnapshotDir, Unreadable, describe_path, json_kind, label, name_problem
 
 MAX_ERRORS = 100  # per report; a damaged index can name every tensor
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
@@ -78,7 +79,7 @@ def check_open_snapshot(snap: SnapshotDir, report: VerifyReport, check_hashes: b
     return report.finish()
 
 
-Expected = Tuple[Optional[int], Optional[str]]  # (bytes, sha256) of a listed file; None where unusable
+Expected = Tuple[Optional[int], Optional[Tuple[str, str]]]  # (bytes, (algorithm, digest)); None where unusable
 
 
 def _check(snap: SnapshotDir, report: VerifyReport, check_hashes: bool) -> None:
@@ -126,7 +127,8 @@ def _value(meta: dict, key: str) -> str:
 
 
 def _manifest_files(manifest: dict, report: VerifyReport) -> Optional[Dict[str, Expected]]:
-    """The manifest's ``files`` table with its names checked: {name: (bytes, sha256)}."""
+    """The manifest's ``files`` table with its names checked: {name: (bytes, (algorithm, digest))}
+    (BLAKE3 since 0.1.0, SHA-256 before: each entry is keyed by its algorithm)."""
     files = manifest.get("files")
     if files is None:
         report.fail(f"{MANIFEST}: has no 'files' table")
@@ -142,16 +144,20 @@ def _manifest_files(manifest: dict, report: VerifyReport) -> Optional[Dict[str, 
             continue
         where = f"{MANIFEST}: files[{short(name)}]"
         if not isinstance(meta, dict):
-            report.fail(f"{where}: is {json_kind(meta)}, not an object with 'bytes' and 'sha256'")
+            report.fail(f"{where}: is {json_kind(meta)}, not an object with 'bytes' and a checksum "
+                        f"({' or '.join(checksum.ALGORITHMS)})")
             out[name] = (None, None)
             continue
-        size, digest = meta.get("bytes"), meta.get("sha256")
+        size = meta.get("bytes")
         if not _is_count(size):
             report.fail(f"{where}.bytes: {_value(meta, 'bytes')}, not a whole number >= 0")
             size = None
+        algorithm = next((a for a in checksum.ALGORITHMS if a in meta), "sha256")
+        digest = meta.get(algorithm)
         if not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
-            report.fail(f"{where}.sha256: {_value(meta, 'sha256')}, not 64 hex digits")
+            report.fail(f"{where}.{algorithm}: {_value(meta, algorithm)}, not 64 hex digits")
             digest = None
+        digest = (algorithm, digest) if digest is not None else None
         out[name] = (size, digest)
     return out
 
@@ -190,8 +196,17 @@ def _load_index(snap, files, shards, report) -> Optional[Tuple[Dict[str, str], O
     return out, declared
 
 
+def _digest(f, algorithm: str) -> str:
+    """The file's digest from its start; a checksum this environment cannot compute is reported as such."""
+    f.seek(0)
+    try:
+        return checksum.digest_of_stream(f, algorithm)
+    except ValueError as e:
+        return f"cannot be computed here: {e}"
+
+
 def _check_file(snap, name: str, expected: Expected, report: VerifyReport, check_hashes: bool) -> Optional[dict]:
-    """Size and sha256 of one listed file; for a shard, its header entries (None if unreadable)."""
+    """Size and checksum of one listed file; for a shard, its header entries (None if unreadable)."""
     size_expected, digest = expected
     name_ = label(name)
     try:
@@ -206,8 +221,8 @@ def _check_file(snap, name: str, expected: Expected, report: VerifyReport, check
             report.bytes += size
             if size_expected is not None and size != size_expected:
                 report.fail(f"{name_}: {size} bytes, the manifest says {size_expected}")
-            elif check_hashes and digest is not None and sha256_of(f) != digest.lower():
-                report.fail(f"{name_}: sha256 differs from the manifest (the file was changed or damaged)")
+            elif check_hashes and digest is not None and _digest(f, digest[0]) != digest[1].lower():
+                report.fail(f"{name_}: {digest[0]} differs from the manifest (the file was changed or damaged)")
             if not name.endswith(".safetensors"):
                 return None
             metadata, entries, _ = parse_header(f, name_)

@@ -11,7 +11,6 @@ after the file's name.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import stat
 from pathlib import Path
@@ -183,17 +182,6 @@ class SnapshotDir:
             return data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise Unreadable(f"is not UTF-8 ({e.reason} at byte {e.start})") from e
-
-
-def sha256_of(f, chunk: int = 16 * 2**20) -> str:
-    """SHA-256 of an open binary file, from its start."""
-    f.seek(0)
-    h = hashlib.sha256()
-    while True:
-        b = f.read(chunk)
-        if not b:
-            return h.hexdigest()
-        h.update(b)
 
 
 def describe_path(path: Path) -> Optional[str]:

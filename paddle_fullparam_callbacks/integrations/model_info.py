@@ -318,10 +318,12 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
             notes.pop("mapping_repairs", None)
             if whole.repairs:
                 notes["mapping_repairs"] = whole.repairs
+                if state.get("logged") != whole.repairs:  # the repairs of the whole model, once
+                    state["logged"] = whole.repairs
+                    for r in whole.repairs:
+                        logger.warning("%s: %s", whole.source, r)
             return whole.aoa_config
 
-        for r in resolved.repairs:
-            logger.warning("%s: %s", resolved.source, r)
         notes["mapping"] = resolved.source
         check = lambda dmap: _check_mapping(dmap, state["resolved"], spec, tied, lm_head)  # noqa: E731
         pad = embedding_padding_row(model, sd) if hf else None

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paddle_fullparam_callbacks.export import commit, ownership, retention
+from paddle_fullparam_callbacks.export import checksum, commit, ownership, retention
 from paddle_fullparam_callbacks.export.manifest import describe_files
 from paddle_fullparam_callbacks.export.safetensors_io import SnapshotWriter
 from paddle_fullparam_callbacks.export.verify import verify_snapshot
@@ -29,12 +29,12 @@ def make_snapshot(output_dir: Path, step: int, n: int = 6, shard: int = 200, run
     w = SnapshotWriter(plan, staging)
     for s in specs:
         w.put(s.name, np.full(s.shape, step, np.float32))
-    files = {k: (v.bytes, v.sha256) for k, v in w.close().items()}
+    files = {k: (v.bytes, v.digest) for k, v in w.close().items()}
     commit.write_json_durable(staging / commit.INDEX, plan.index())
     files.update(describe_files(staging, [commit.INDEX]))
     manifest = {"manifest_version": 1, "step": step, "num_tensors": n, "created_unix": __import__("time").time(),
                 "run": {"id": run, "seq": step if seq is None else seq},
-                "files": {k: {"bytes": b, "sha256": h} for k, (b, h) in files.items()}}
+                "files": {k: {"bytes": b, checksum.DEFAULT: h} for k, (b, h) in files.items()}}
     commit.write_json_durable(staging / commit.MANIFEST, manifest)
     return commit.commit_staging(staging, output_dir, f"hf-step-{step:06d}")
 
@@ -170,7 +170,7 @@ def test_verify_flipped_byte(snap):
     b[-3] ^= 1
     p.write_bytes(bytes(b))
     r = verify_snapshot(snap)
-    assert [e for e in r.errors if "sha256" in e and p.name in e]
+    assert [e for e in r.errors if f"{checksum.DEFAULT} differs" in e and p.name in e]
 
 
 def test_verify_missing_shard(snap):
@@ -189,7 +189,7 @@ def test_verify_index_entry_without_tensor_and_tensor_not_indexed(snap):
     (snap / commit.INDEX).write_text(json.dumps(idx))
     # keep the manifest consistent with the edited index so only the tensor checks fire
     m = json.loads((snap / commit.MANIFEST).read_text())
-    m["files"][commit.INDEX] = {"bytes": (snap / commit.INDEX).stat().st_size, "sha256": describe_files(snap, [commit.INDEX])[commit.INDEX][1]}
+    m["files"][commit.INDEX] = {"bytes": (snap / commit.INDEX).stat().st_size, checksum.DEFAULT: describe_files(snap, [commit.INDEX])[commit.INDEX][1]}
     (snap / commit.MANIFEST).write_text(json.dumps(m))
     errors = verify_snapshot(snap).errors
     assert any("'ghost.weight'" in e and "no such tensor" in e for e in errors)

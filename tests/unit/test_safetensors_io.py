@@ -1,7 +1,6 @@
 """The streaming safetensors writer and the bounds-checked header reader."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -13,14 +12,13 @@ import pytest
 import safetensors
 from safetensors.numpy import load_file
 
-from paddle_fullparam_callbacks.export import safetensors_io
+from paddle_fullparam_callbacks.export import checksum, safetensors_io
 from paddle_fullparam_callbacks.export.safetensors_io import (
     FileResult,
     SafetensorsFormatError,
     SnapshotWriter,
     read_header,
     read_tensor,
-    sha256_file,
 )
 from paddle_fullparam_callbacks.plan.export_plan import TensorSpec, build_export_plan
 
@@ -82,8 +80,8 @@ def check_results(plan, directory, results):
         r = results[f.name]
         assert isinstance(r, FileResult) and r.name == f.name
         assert r.bytes == path.stat().st_size == f.total_bytes
-        assert r.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
-        assert sha256_file(path) == r.sha256
+        assert r.digest == checksum.new(checksum.DEFAULT, path.read_bytes()).hexdigest()
+        assert checksum.digest_of_file(path) == r.digest
 
 
 # ---- round trip -------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from paddle_fullparam_callbacks.cli.main import main
-from paddle_fullparam_callbacks.export import verify_paths
+from paddle_fullparam_callbacks.export import checksum, verify, verify_paths
 from paddle_fullparam_callbacks.export.safetensors_io import SnapshotWriter
 from paddle_fullparam_callbacks.export.verify import verify_snapshot
 from paddle_fullparam_callbacks.export.verify_tree import OutputDirReport, PointerReport, verify_path
@@ -26,6 +26,7 @@ INDEX = "model.safetensors.index.json"
 
 
 def _describe(data: bytes) -> dict:
+    # written as the old (SHA-256) manifests were: verify reads both algorithms
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
@@ -38,7 +39,7 @@ def build_snapshot(d: Path, step: int = 7, n: int = 6, shard: int = 200) -> Path
     w = SnapshotWriter(plan, d, background=False)
     for s in specs:
         w.put(s.name, np.full(s.shape, step, np.float32))
-    files = {k: {"bytes": v.bytes, "sha256": v.sha256} for k, v in w.close().items()}
+    files = {k: {"bytes": v.bytes, checksum.DEFAULT: v.digest} for k, v in w.close().items()}
     side = {"config.json": {"architectures": ["LlamaForCausalLM"]}}
     if plan.needs_index:
         side[INDEX] = plan.index()
@@ -238,7 +239,7 @@ def test_manifest_that_is_not_an_object(snap, value, kind):
     (lambda m: m.__setitem__("files", [1]), f"{MANIFEST}: files: is a list, not an object"),
     (lambda m: m.pop("files"), f"{MANIFEST}: has no 'files' table"),
     (lambda m: m["files"].__setitem__("config.json", "x"),
-     f"{MANIFEST}: files['config.json']: is a string, not an object with 'bytes' and 'sha256'"),
+     f"{MANIFEST}: files['config.json']: is a string, not an object with 'bytes' and a checksum (blake3 or sha256)"),
     (lambda m: m["files"]["config.json"].__setitem__("bytes", "12"),
      f"{MANIFEST}: files['config.json'].bytes: is '12', not a whole number >= 0"),
     (lambda m: m["files"]["config.json"].__setitem__("bytes", True),
@@ -427,8 +428,8 @@ def test_glob_of_an_output_dir_verifies_its_pointers(tmp_path, capsys):
 def test_a_snapshot_is_hashed_once_per_run(tmp_path, monkeypatch):
     out = build_output_dir(tmp_path / "out", steps=(1,))
     calls = []
-    real = verify_paths.sha256_of
-    monkeypatch.setattr("paddle_fullparam_callbacks.export.verify.sha256_of", lambda f: calls.append(1) or real(f))
+    real = verify._digest
+    monkeypatch.setattr("paddle_fullparam_callbacks.export.verify._digest", lambda f, a: calls.append(1) or real(f, a))
     cache = {}
     for p in (out, out / "hf-step-000001", out / "latest"):
         assert verify_path(p, cache=cache).ok
