@@ -107,3 +107,16 @@ def test_topology_that_does_not_match_the_job(tmp_path):
     with pytest.raises(ExportError, match=r"'model.norm.weight': the ranks of the mesh hold 32 of its 64 elements"):
         _export(tmp_path, model)
     assert listing(tmp_path / "out") == []
+
+
+def test_flattened_shards_are_refused_naming_them(tmp_path):
+    # sharding stage 1 v2 / stage 3 with tensor fusion hand out flat 1-D pieces (is_flattened); such
+    # a job cannot be built on CPU ranks here, so the model's state dict is made to report them
+    model = make_tiny_llama(seed=1)
+    sd = model.sharded_state_dict()
+    for key in ("model.norm.weight", "lm_head.weight"):
+        sd[key].is_flattened = True
+    model.sharded_state_dict = lambda: sd
+    with pytest.raises(ExportError, match=r"parameter\(s\) \['lm_head.weight', 'model.norm.weight'\] are flattened shards"):
+        _export(tmp_path, model)
+    assert listing(tmp_path / "out") == []

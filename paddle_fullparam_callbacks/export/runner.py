@@ -294,12 +294,20 @@ class ExportSession:
         if self._prepared is not None and self._prepared.signature == world_sig:
             return self._prepared
         # with each rank's records, its padding rows: the pipeline stage holding the embedding tells the writer
-        gathered = ctx.mesh_gather_object((local, source.padding_rows), "plan: shard records")
-        records = [r for per_rank, _ in gathered for r in per_rank]
-        padding_rows = {k: v for _, rows in gathered for k, v in rows.items()}
+        flat = sorted(k for k, sw in sd.items() if getattr(sw, "is_flattened", False))
+        gathered = ctx.mesh_gather_object((local, source.padding_rows, flat), "plan: shard records")
+        records = [r for per_rank, _, _ in gathered for r in per_rank]
+        padding_rows = {k: v for _, rows, _ in gathered for k, v in rows.items()}
+        flattened = sorted({k for _, _, keys in gathered for k in keys})
         mapped = self.config.export.format != "paddle_safetensors"
         error, prepared = None, None
         try:
+            if flattened:
+                more = f" and {len(flattened) - 3} more" if len(flattened) > 3 else ""
+                raise MappingError(
+                    f"parameter(s) {flattened[:3]}{more} are flattened shards (is_flattened: sharding stage 1 v2 "
+                    "or stage 3 with tensor fusion): the exporter needs every rank's block of each tensor (its global "
+                    "offset and shape); export from a job without tensor fusion, or convert its saved checkpoint")
             validate_records(records)
             if ctx.mesh.size == 1:
                 for r in records:
