@@ -110,7 +110,7 @@ MOE_AOA = {
 }
 
 PLAN_STEPS = {  # package / Paddle functions whose cumulative time explains a first plan
-    ("runner.py", "prepare"): "prepare (total)",
+    ("session.py", "prepare"): "prepare (total)",
     ("mesh.py", "records_from_state_dict"): "records_from_state_dict",
     ("mesh.py", "validate_records"): "validate_records",
     ("mesh.py", "shard_info_from_records"): "shard_info_from_records",
@@ -121,7 +121,7 @@ PLAN_STEPS = {  # package / Paddle functions whose cumulative time explains a fi
     ("mapping.py", "apply_export_dtype"): "apply_export_dtype",
     ("export_plan.py", "build_export_plan"): "build_export_plan",
     ("topology.py", "plan_writes"): "plan_writes",
-    ("runner.py", "_digest"): "_digest",
+    ("planning.py", "digest"): "digest",
 }
 
 

@@ -220,7 +220,7 @@ def main():
             sink = {} if v != "builtin_keep_own" else None
             dist.barrier()
             if v == "paddle":
-                r, cres["paddle_collectives"] = counting_collectives(lambda: call_variant(v, sd, hcg, ctx, sink))
+                r, cres["paddle_collectives"] = counting_collectives(lambda sd=sd: call_variant(v, sd, hcg, ctx, sink))
             else:
                 r = call_variant(v, sd, hcg, ctx, sink, ns.bucket_bytes)
             dist.barrier()

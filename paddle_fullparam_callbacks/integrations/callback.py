@@ -22,7 +22,8 @@ from typing import Callable, Iterable, List, Optional
 
 from ..config.recipes import coerce_config
 from ..config.schema import FullParamConfig
-from ..export.runner import ExportError, ExportSession, SnapshotInfo
+from ..export.session import ExportSession
+from ..export.source import ExportError, SnapshotInfo
 from ..plan.decisions import Decision, decide
 from .model_info import build_model_source, unwrap_model
 from .trainer_paths import check_trainer_paths

@@ -8,7 +8,7 @@ from typing import Any, Optional, Tuple
 
 from ..config.schema import FullParamConfig
 from ..assemble.mapping import MappingError
-from ..export.runner import ModelSource
+from ..export.source import ModelSource
 from .mappings import check_destination_names, resolve_mapping
 
 logger = logging.getLogger("paddle_fullparam_callbacks")

@@ -1,0 +1,73 @@
+"""What an export takes in and gives back: the model's side (``ModelSource``), the result
+(``SnapshotInfo``) and the one error every failure becomes (``ExportError``).
+
+A ``ModelSource`` normally gives the tensors of a live model (``sharded_state_dict``). ``convert``
+gives them from files instead (``tensors``): the same plan, writer and commit, another source.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
+
+
+class ExportError(RuntimeError):
+    """An export failed; nothing of it was committed."""
+
+
+class TensorSource(Protocol):
+    """Slices on disk instead of in a model (``paddle-fullparam convert``).
+
+    ``records()`` lists every stored slice (``assemble.mesh.ShardRecord``: key, global offset,
+    shape, global shape, Paddle dtype name; ``rank`` is the writer of the file that holds it);
+    ``read(key, offset, shape)`` returns that slice as a numpy array (bfloat16 as uint16 bits),
+    read lazily. ``describe()`` says what it is, for the manifest.
+    """
+
+    def records(self) -> List[Any]:
+        ...
+
+    def read(self, key: str, offset: Sequence[int], shape: Sequence[int]):
+        ...
+
+    def describe(self) -> Dict[str, Any]:
+        ...
+
+
+@dataclass
+class ModelSource:
+    """What the export needs from the model, gathered by the integrations layer."""
+
+    sharded_state_dict: Callable[[], dict]
+    aoa_config: Optional[dict] = None
+    # when the mapping depends on the whole model (a pipeline stage sees only its layers): called
+    # with every mesh rank's source names and global shapes, it returns the aoa config to use
+    mapping_for: Optional[Callable[[Dict[str, tuple]], Optional[dict]]] = None
+    hf_config: Optional[dict] = None
+    generation_config: Optional[dict] = None
+    tokenizer: Any = None
+    framework: str = "paddle"
+    check_mapping: Optional[Callable] = None  # called with the DestinationMap of a new mapping; raises to refuse
+    padding_rows: Dict[str, int] = field(default_factory=dict)  # source key -> embedding row exported as zeros
+    notes: Dict[str, Any] = field(default_factory=dict)  # recorded in the manifest under "model"
+    # slices read from files (convert): when set, sharded_state_dict is not called and the
+    # records and tensors come from here; a live model may still give names, config and mapping
+    tensors: Optional[TensorSource] = None
+
+
+@dataclass
+class SnapshotInfo:
+    name: str
+    step: int
+    path: Optional[Path]
+    files: int
+    bytes: int
+    num_tensors: int
+    seconds: float
+    timings: Dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+    peak_pending_bytes: int = 0
+    files_written_here: int = 0
+    pending: bool = False  # async_write: assembled, not yet committed
+    stall_s: float = 0.0  # how long training waited for this export
+
