@@ -1,4 +1,4 @@
-"""``paddle-fullparam``: demo | verify | plan | recipes."""
+"""``paddle-fullparam``: demo | verify | convert | plan | recipes."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ from typing import List, Optional
 DESCRIPTION = (
     "Full-parameter Hugging Face snapshots of PaddlePaddle training jobs. "
     "demo: train a tiny model on CPU with the callback and list its snapshots; verify: check snapshots; "
+    "convert: an HF snapshot from a trainer checkpoint on disk; "
     "plan: show how a hybrid-parallel job would assemble and write a snapshot; recipes: list the bundled recipes."
 )
 OVERRIDES_HELP = ("recipe overrides as key=value, e.g. trigger.every_n_steps=10 retention.keep_last=2; a value that "
@@ -107,6 +108,28 @@ def _cmd_plan(ns) -> int:
     return 0
 
 
+def _cmd_convert(ns) -> int:
+    """Exit 0 with the snapshot written, 1 if the checkpoint cannot be converted (nothing written), 2 for usage."""
+    import logging
+
+    from ..assemble.mapping import MappingError
+    from ..export.source import ExportError
+    from ..integrations.checkpoints import CheckpointError
+    from ..integrations.convert import convert
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("paddle_fullparam_callbacks").setLevel(logging.INFO)
+    try:
+        info = convert(ns.checkpoint, ns.output_dir, config=ns.recipe, overrides=ns.overrides,
+                       model_config=ns.config, step=ns.step, workers=ns.workers)
+    except (CheckpointError, MappingError, ExportError) as e:
+        print(f"paddle-fullparam convert: {e}", file=sys.stderr)
+        return 1
+    print(f"{info.path}  step {info.step}  {info.num_tensors} tensors  {info.files} file(s)  {info.bytes / 1e6:.1f} MB  "
+          f"{info.seconds:.1f} s")
+    return 0
+
+
 def _cmd_demo(ns) -> int:
     from .demo import run_demo
 
@@ -140,6 +163,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also load each snapshot with transformers on the meta device (needs torch, transformers, "
                         "accelerate) and report missing, unexpected, mis-shaped and mis-typed tensors")
     v.set_defaults(func=_cmd_verify)
+
+    text = "write a Hugging Face snapshot of a trainer checkpoint already on disk (PaddleFormers flex, PaddleNLP pdparams or unified)"
+    c = sub.add_parser("convert", help=text, description=text + "; exit 0 written, 1 not convertible (nothing written), 2 usage.")
+    c.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a trainer checkpoint directory, e.g. output/checkpoint-500")
+    c.add_argument("--output-dir", required=True,
+                   help="where the snapshot goes, named by export.name_template at the checkpoint's step (with latest)")
+    c.add_argument("--config", metavar="MODEL_CONFIG",
+                   help="the model's config.json (or its directory); needed for PaddleFormers flex checkpoints, which "
+                        "hold none; otherwise the checkpoint's own config.json is used")
+    c.add_argument("--recipe", help="a bundled recipe name or YAML path for the export settings (default: the defaults)")
+    c.add_argument("--step", type=_count(0), help="the step to record when the checkpoint does not say (trainer_state)")
+    c.add_argument("--workers", type=_count(1), default=1,
+                   help="processes that write the snapshot's files in parallel, a whole number >= 1 (default 1)")
+    c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP + "; e.g. export.dtype=bfloat16")
+    c.set_defaults(func=_cmd_convert)
 
     text = "print the meshes and writers of a hybrid-parallel topology (nothing is launched)"
     pl = sub.add_parser("plan", help=text, description=text + ".")

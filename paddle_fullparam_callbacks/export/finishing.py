@@ -139,10 +139,11 @@ class Committer:
         info = SnapshotInfo(name, step, final, len(all_files), shard_bytes, job.p.plan.num_tensors, total, timings,
                             job.reason, getattr(job.exporter, "peak_pending_bytes", 0), len(job.files), stall_s=stall)
         if ctx.is_coordinator:
+            stalled = "" if job.reason == "convert" else f", training stalled {stall:.2f} s"  # no training to stall
             logger.info(
-                "snapshot %s (step %d, %s): %d files, %.1f MB in %.2f s (%.2f GB/s), training stalled %.2f s",
+                "snapshot %s (step %d, %s): %d files, %.1f MB in %.2f s (%.2f GB/s)%s",
                 name if job.pointers else f"{job.out_dir.name}/{name}", step, job.reason or "export", info.files,
-                info.bytes / 1e6, total, info.bytes / 1e9 / max(total, 1e-9), stall,
+                info.bytes / 1e6, total, info.bytes / 1e9 / max(total, 1e-9), stalled,
             )
         return info
 

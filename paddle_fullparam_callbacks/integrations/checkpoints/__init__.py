@@ -1,0 +1,103 @@
+"""Trainer checkpoints on disk (``checkpoint-N/``), indexed without the trainers and without loading them.
+
+:func:`open_checkpoint` recognises the directory's format, checks it, and returns a :class:`Checkpoint`:
+per model tensor its global shape, dtype and the file blocks that tile it. ``Checkpoint.read``
+assembles any region of a tensor from memory-mapped blocks.
+
+=====================  ===========================================================  =======================================
+layout                 written by                                                   tensors
+=====================  ===========================================================  =======================================
+``flex``               PaddleFormers 1.2 default (``model_state/{uid}.metadata`` +  PaddleFormers names, Paddle ``[in, out]``;
+                       ``{rank}_{uid}.distcp``), any dp/tp/pp                       a fused tensor-parallel weight is the
+                                                                                    ranks' blocks side by side
+``hf-safetensors``     PaddleFormers ``unified_checkpoint`` / ``sharding_io``       HF names, HF ``[out, in]``
+                       (single process)
+``pdparams``           PaddleNLP 2.8 (``model_state[.tpXX][_ppYY].pdparams``)        PaddleNLP names, Paddle layout, merged
+                                                                                    as PaddleNLP merges them
+``unified-safetensors``PaddleNLP 2.8 ``unified_checkpoint=True``                    PaddleNLP names, Paddle layout, merged
+=====================  ===========================================================  =======================================
+
+Only model weights are indexed (no optimizer state, master weights or RNG state). Every file a
+checkpoint refers to is checked before anything is returned: present, complete, holding each tensor
+with the shape and dtype the index says, the blocks of each tensor tiling it exactly.
+
+>>> ckpt = open_checkpoint("out/checkpoint-2")  # doctest: +SKIP
+>>> info = ckpt.tensors["model.norm.weight"]  # doctest: +SKIP
+>>> ckpt.read("model.norm.weight", [0] * len(info.global_shape), info.global_shape)  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from ._base import Checkpoint, CheckpointError, FileSlice, TensorInfo, check_tiling
+from ._flex import MODEL_STATE, metadata_files, open_flex
+from ._pdparams import open_pdparams, pdparams_files
+from ._safetensors import model_safetensors, open_safetensors
+from ._trainer_files import framework_of, parallel_degrees, read_json, read_step, read_training_args, tokenizer_files
+
+__all__ = ["Checkpoint", "CheckpointError", "FileSlice", "TensorInfo", "open_checkpoint"]
+
+_EXPECTED = "expected model_state/*.metadata, model_state*.pdparams or model*.safetensors"
+
+
+def open_checkpoint(path: "str | os.PathLike", config: Optional[dict] = None, model_class=None) -> Checkpoint:
+    """Detect the format of a trainer checkpoint directory (``checkpoint-N/``) and index it without reading
+    tensor bytes.
+
+    Args:
+        path: the checkpoint directory.
+        config: the model's config as a dict, used when the directory has no ``config.json`` (PaddleFormers
+            flex checkpoints never have one); the directory's own ``config.json`` wins otherwise.
+        model_class: PaddleNLP tensor-parallel ``.pdparams`` only: the model class whose
+            ``_get_tensor_parallel_mappings`` gives the merge rules (the class ``config.json``'s
+            ``architectures`` names; for a ``*Pipe`` class its plain class).
+
+    Raises:
+        CheckpointError: not a checkpoint, an unsupported variant, or a damaged or inconsistent one; the
+            message names the file or tensor and the cause.
+    """
+    path = Path(path).expanduser()
+    try:
+        return _open(path, config, model_class)
+    except OSError as e:
+        raise CheckpointError(f"{e.filename or path}: cannot be read: {e.strerror or e}") from e
+
+
+def _open(path: Path, config: Optional[dict], model_class) -> Checkpoint:
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory (a trainer checkpoint is a checkpoint-N directory)")
+    found = {"model_state/*.metadata (flex)": metadata_files(path / MODEL_STATE),
+             "model_state*.pdparams": pdparams_files(path),
+             "model*.safetensors": model_safetensors(path)}
+    kinds = [k for k, v in found.items() if v]
+    if not kinds:
+        hint = (f" ({path.name}/ itself holds *.metadata: give the checkpoint directory that contains it)"
+                if metadata_files(path) else "")
+        raise CheckpointError(f"{path}: not a trainer checkpoint: {_EXPECTED}{hint}")
+    if len(kinds) > 1:
+        raise CheckpointError(f"{path}: holds model weights in several formats ({', '.join(kinds)}); "
+                              "remove the ones that do not belong to this checkpoint")
+    own_config = read_json(path / "config.json")
+    cfg = own_config if own_config is not None else config
+    args = read_training_args(path)
+    parallel = parallel_degrees(args, own_config)
+    if found["model_state/*.metadata (flex)"]:
+        framework, layout, tensors = "paddleformers", "flex", open_flex(path)
+    elif found["model_state*.pdparams"]:
+        framework = framework_of(own_config, args) or "paddlenlp"
+        layout, tensors = "pdparams", open_pdparams(path, cfg, model_class, parallel)
+    else:
+        framework = framework_of(own_config, args)
+        if framework is None:
+            raise CheckpointError(f"{path}: cannot tell which trainer wrote model*.safetensors: config.json has no "
+                                  "paddleformers_version / paddlenlp_version and training_args.bin names neither")
+        layout = "hf-safetensors" if framework == "paddleformers" else "unified-safetensors"
+        tensors = open_safetensors(path, cfg)
+    if not tensors:
+        raise CheckpointError(f"{path}: its {layout} index lists no model tensors")
+    for key, info in tensors.items():
+        check_tiling(key, info)
+    return Checkpoint(path=path, framework=framework, layout=layout, tensors=tensors, config=cfg, parallel=parallel,
+                      step=read_step(path), tokenizer_files=tokenizer_files(path))
