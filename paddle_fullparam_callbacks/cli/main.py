@@ -202,8 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
     try:
-        ns = build_parser().parse_args(args)
+        ns, extra = parser.parse_known_args(args)
+        if extra:
+            # overrides after an option (`convert CKPT --output-dir OUT key=value`): argparse has already
+            # filled the positional list before the option, so they come back unrecognised
+            if hasattr(ns, "overrides") and not any(x.startswith("-") for x in extra):
+                ns.overrides = list(ns.overrides or []) + extra
+            else:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:
         if e.code == 2 and args[:1] == ["verify"] and "--json" in args:
             # `verify --json` prints one JSON object whatever happens, usage errors included

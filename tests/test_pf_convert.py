@@ -1,0 +1,170 @@
+"""``paddle-fullparam convert`` on PaddleFormers 1.2 flex checkpoints written by the real Trainer.
+
+Each topology the Trainer can save here (one process; dp2 with tied embeddings; mp2; pp2 with
+``LlamaForCausalLMPipe``) saves ``checkpoint-2`` while the callback exports step 2. The checkpoint,
+converted from its files alone (no job, no ranks; the model's config.json given, as flex
+checkpoints carry none), is the callback's snapshot bit for bit; one-process logits in transformers
+match Paddle's. Damaged, incomplete or mismatched checkpoints give one error naming the cause, and
+the output directory is never created.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from _convert_cases import CHECKPOINT, SNAPSHOT, assert_same_snapshot, run_job
+from _helpers import run_hf_client
+from paddle_fullparam_callbacks import verify_snapshot
+from paddle_fullparam_callbacks.integrations.checkpoints import CheckpointError
+from paddle_fullparam_callbacks.integrations.convert import convert
+
+FW = "paddleformers"
+MODES = {"single": (), "dp2": ("--tied",), "mp2": (), "pp2": ()}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pf_convert_jobs")
+    for mode, flags in MODES.items():
+        run_job(FW, mode, root / mode, *flags)
+    return root
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_flex_checkpoint_converts_to_the_callbacks_snapshot(jobs, mode, tmp_path):
+    base = jobs / mode
+    info = convert(base / CHECKPOINT, tmp_path / "out", model_config=base / "model_config.json",
+                   overrides=["export.max_shard_size=100KB"])
+    assert info.path == tmp_path / "out" / "hf-step-000002" and info.step == 2
+    assert verify_snapshot(info.path).ok
+    assert_same_snapshot(info.path, base / SNAPSHOT)
+    source = json.loads((info.path / "fullparam_manifest.json").read_text())["model"]["converted_from"]
+    assert source["layout"] == "flex" and source["framework"] == FW
+    assert source["parallel"] == {"single": {}, "dp2": {"data_parallel_degree": 2}, "mp2": {"tensor_parallel_degree": 2},
+                                  "pp2": {"pipeline_parallel_degree": 2}}[mode]
+    assert (tmp_path / "out" / "latest").read_text().strip() == "hf-step-000002"
+
+
+def test_transformers_reads_a_converted_snapshot_with_paddles_logits(jobs, tmp_path, hf_python):
+    base = jobs / "single"
+    info = convert(base / CHECKPOINT, tmp_path / "out", model_config=base / "model_config.json")
+    hf = run_hf_client(hf_python, info.path, np.load(base / "ids.npy"), np.load(base / "logits.npy"), tmp_path)
+    assert hf["missing_keys"] == [] and hf["unexpected_keys"] == [] and hf["mismatched_keys"] == [], hf
+    assert hf["max_abs_diff"] <= 1e-4, hf
+
+
+def test_the_cli_converts_with_several_workers(jobs, tmp_path):
+    base = jobs / "dp2"
+    out = tmp_path / "cli"
+    proc = subprocess.run(
+        [sys.executable, "-m", "paddle_fullparam_callbacks", "convert", str(base / CHECKPOINT), "--output-dir", str(out),
+         "--config", str(base / "model_config.json"), "--workers", "2", "export.max_shard_size=100KB"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{out / 'hf-step-000002'}  step 2  21 tensors  6 file(s)" in proc.stdout
+    manifest = json.loads((out / "hf-step-000002" / "fullparam_manifest.json").read_text())
+    writers = manifest["topology"]["writers"]
+    assert sorted(writers) == ["0", "1"] and all(writers.values()), writers  # both workers wrote files
+    assert_same_snapshot(out / "hf-step-000002", base / SNAPSHOT)
+
+
+def _metadata(ckpt: Path) -> Path:
+    return next((ckpt / "model_state").glob("*.metadata"))
+
+
+def _drop_rank_file(ckpt):
+    (ckpt / "model_state" / "1_0.distcp").unlink()
+
+
+def _truncate(ckpt):
+    f = ckpt / "model_state" / "0_0.distcp"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _foreign_metadata(ckpt, jobs=None):
+    shutil.copy(_metadata(jobs / "mp2" / CHECKPOINT), _metadata(ckpt))  # another job's metadata over these files
+
+
+def _not_a_pickle(ckpt):
+    (ckpt / "model_state" / "1_0.distcp").write_bytes(np.random.default_rng(0).bytes(4096))
+
+
+def _no_metadata(ckpt):
+    _metadata(ckpt).unlink()
+
+
+def _evil_metadata(ckpt):
+    # a pickle that would run a command when loaded by pickle.load: refused, never run
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/pfc-pwned",))
+
+    _metadata(ckpt).write_bytes(pickle.dumps(Evil(), protocol=4))
+
+
+DAMAGE = {
+    "a missing rank file": (_drop_rank_file, r"model_state/1_0\.distcp is missing"),
+    "a truncated rank file": (_truncate, r"0_0\.distcp"),
+    "metadata of another job": (_foreign_metadata, r"model_state/0_0\.distcp: tensor .* is float32 \[.*\], but model_state/0\.metadata says"),
+    "a rank file that is not a pickle": (_not_a_pickle, r"model_state/1_0\.distcp: "),
+    "no metadata": (_no_metadata, r"not a trainer checkpoint"),
+    "a pickle that runs code": (_evil_metadata, r"0\.metadata: refusing global posix\.system"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_a_damaged_checkpoint_is_refused_before_anything_is_written(jobs, tmp_path, case):
+    damage, message = DAMAGE[case]
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(jobs / "dp2" / CHECKPOINT, ckpt)
+    if damage is _foreign_metadata:
+        damage(ckpt, jobs)
+    else:
+        damage(ckpt)
+    with pytest.raises(CheckpointError, match=message):
+        convert(ckpt, tmp_path / "out", model_config=jobs / "dp2" / "model_config.json")
+    assert not (tmp_path / "out").exists()
+    assert not Path("/tmp/pfc-pwned").exists()
+
+
+def test_a_checkpoint_that_does_not_match_its_config_is_refused(jobs, tmp_path):
+    config = json.loads((jobs / "single" / "model_config.json").read_text())
+    wrong = tmp_path / "config.json"
+    wrong.write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(CheckpointError, match=r"9 parameter\(s\) of LlamaForCausalLM missing from the checkpoint.*"
+                                              r"is the config the one this checkpoint was trained with"):
+        convert(jobs / "single" / CHECKPOINT, tmp_path / "out", model_config=wrong)
+    wrong.write_text(json.dumps({**config, "intermediate_size": 96}))
+    with pytest.raises(CheckpointError, match=r"another shape than the model's, e.g. '.*mlp.*': checkpoint \[.*128.*\], model"):
+        convert(jobs / "single" / CHECKPOINT, tmp_path / "out", model_config=wrong)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_flex_checkpoint_without_a_config_asks_for_one(jobs, tmp_path):
+    with pytest.raises(CheckpointError, match="holds no config.json .*give the model's config with --config"):
+        convert(jobs / "single" / CHECKPOINT, tmp_path / "out")
+    proc = subprocess.run([sys.executable, "-m", "paddle_fullparam_callbacks", "convert", str(jobs / "single" / CHECKPOINT),
+                           "--output-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "give the model's config with --config" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_second_conversion_never_replaces_the_first(jobs, tmp_path):
+    base = jobs / "single"
+    first = convert(base / CHECKPOINT, tmp_path / "out", model_config=base / "model_config.json")
+    before = {p.name: p.stat().st_mtime_ns for p in first.path.iterdir()}
+    from paddle_fullparam_callbacks.export.source import ExportError
+
+    with pytest.raises(ExportError, match="hf-step-000002"):
+        convert(base / CHECKPOINT, tmp_path / "out", model_config=base / "model_config.json")
+    assert {p.name: p.stat().st_mtime_ns for p in first.path.iterdir()} == before
+    assert verify_snapshot(first.path).ok
