@@ -130,6 +130,14 @@ def main():
             np.save(os.path.join(out, "logits.npy"), paddle_logits(model, ids))
     report.update(rank=rank, steps=[s.step for s in cb.snapshots], errors=cb.errors)
     print("CONVERT_JOB " + json.dumps(report), flush=True)
+    if ns.mode != "single":
+        import paddle.distributed as dist
+
+        dist.barrier()
+        # everything is written: leave without the process groups' and stores' destructors, whose
+        # teardown order across ranks is not this job's subject (seen to abort a rank, as in pipe_job.py)
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
