@@ -50,6 +50,12 @@ class SafetensorsExporter(Exporter):
             plan, staging_dir, file_indices, max_pending_bytes=self.max_pending_bytes, background=self.background
         )
 
+    def wait_for_room(self, nbytes: int) -> None:
+        """Block until the writer could take ``nbytes`` more without passing its budget (or is idle)."""
+        wait = getattr(self.writer, "wait_for_room", None)
+        if wait is not None:
+            wait(nbytes)
+
     def write(self, name, tensor):
         arr = to_host_array(tensor)
         release = None

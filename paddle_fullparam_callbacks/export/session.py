@@ -233,11 +233,12 @@ class ExportSession:
         try:
             job.exporter.begin(p.plan, job.staging, job.step, my_files)
             with ctx.waiting("assembly", ctx.mesh_ranks):  # export.timeout_s: no tensor for that long ends the job
-                for tname, tensor in stream_tensors(ctx, self.config, sd, p, job.source, targets, keep):
+                room = getattr(job.exporter, "wait_for_room", None)
+                for tname, tensor in stream_tensors(ctx, self.config, sd, p, job.source, targets, keep, room):
                     beat()
                     if job.error is None:
                         try:
-                            if tname in p.zero_rows:
+                            if tname in p.zero_rows and job.source.tensors is None:  # file sources zero their own
                                 tensor = with_zero_row(tensor, p.zero_rows[tname])
                             job.exporter.write(tname, tensor)
                             job.seen += 1

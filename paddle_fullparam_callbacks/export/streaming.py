@@ -20,12 +20,16 @@ logger = logging.getLogger("paddle_fullparam_callbacks")
 
 
 def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: ModelSource,
-                   targets: List[str], keep: set) -> Iterator[Tuple[str, object]]:
+                   targets: List[str], keep: set, room=None) -> Iterator[Tuple[str, object]]:
+    """``room(nbytes)``: waits until the writer can take a tensor that large (file sources only: a live
+    model's tensors exist already, a file's are read on demand). File sources yield their padding rows
+    zeroed already."""
     mapped = config.export.format != "paddle_safetensors"
     if source.tensors is not None:  # slices in files (convert): read and assembled here, no communication
         from ..assemble.files import FileAssembler
 
-        yield from FileAssembler(source.tensors, p.dmap, config.export.dtype).run([n for n in targets if n in keep])
+        asm = FileAssembler(source.tensors, p.dmap, config.export.dtype, zero_rows=p.zero_rows, room=room)
+        yield from asm.run([n for n in targets if n in keep])
         return
     if config.assembler == "paddle":
         from ..assemble.paddle_ref import run_paddle_full_param

@@ -15,12 +15,14 @@ directory. ``workers > 1`` splits the files over processes (``convert_workers.py
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from .. import _dtypes
 from ..config.recipes import coerce_config
 from ..config.schema import FullParamConfig
 from ..export.source import ModelSource, SnapshotInfo
@@ -149,8 +151,8 @@ class CheckpointTensors:
     def records(self) -> List:
         return list(self._records)
 
-    def read(self, key: str, offset: Sequence[int], shape: Sequence[int]):
-        return self.ckpt.read(key, offset, shape)
+    def read(self, key: str, offset: Sequence[int], shape: Sequence[int], copy: bool = False):
+        return self.ckpt.read(key, offset, shape, copy=copy)
 
     def describe(self) -> dict:
         c = self.ckpt
@@ -260,8 +262,16 @@ def convert(checkpoint_dir: "str | os.PathLike", output_dir: "str | os.PathLike"
 
 def export_conversion(conv: Conversion, output_dir: Path, config: FullParamConfig, ctx=None) -> SnapshotInfo:
     """The export itself (one process, or one worker of several: ``ctx``)."""
+    import copy
+
     from ..export.session import ExportSession
 
+    # tensors read but not yet written are this process's only extra memory: at most a tenth of the model
+    # (and never more than export.max_pending_bytes), besides the tensor in hand
+    config = copy.deepcopy(config)
+    model_bytes = sum(math.prod(t.global_shape) * _dtypes.lookup(t.dtype).itemsize
+                      for t in conv.checkpoint.tensors.values())
+    config.export.max_pending_bytes = str(max(1, min(config.export.max_pending, model_bytes // 10)))
     session = ExportSession(config, output_dir, ctx=ctx)
     session.start()
     try:

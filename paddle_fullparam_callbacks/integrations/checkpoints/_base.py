@@ -6,6 +6,7 @@ touches and copies only the blocks that intersect it.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -115,12 +116,14 @@ class Checkpoint:
     step: Optional[int]
     tokenizer_files: List[Path]
 
-    def read(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> np.ndarray:
-        """The region ``[offset, offset + shape)`` of tensor ``key`` as a new C-contiguous array of its
-        storage dtype (bfloat16 as uint16).
+    def read(self, key: str, offset: Sequence[int], shape: Sequence[int], copy: bool = False) -> np.ndarray:
+        """The region ``[offset, offset + shape)`` of tensor ``key`` as an array of its storage dtype
+        (bfloat16 as uint16).
 
-        Only the slices that intersect the region are touched, through ``np.memmap``: the bytes read
-        are those of the region (whole pages of them), not the files.
+        Only the bytes of the region are read. A region inside one stored block is, unless ``copy``, a
+        read-only view of the memory-mapped file (no copy; its pages are read as they are used). Otherwise
+        it is a new array, filled by ``pread`` where a block's bytes land in it contiguously (no mapping:
+        the page cache's pages are not held by this process) and from a mapping for the rest.
 
         >>> ckpt.read("model.norm.weight", [0], ckpt.tensors["model.norm.weight"].global_shape)  # doctest: +SKIP
         """
@@ -135,22 +138,52 @@ class Checkpoint:
                 o < 0 or n < 0 or o + n > d for o, n, d in zip(offset, shape, g)):
             raise CheckpointError(f"tensor {key!r} {_fmt(g)}: region {_fmt(offset)}+{_fmt(shape)} is outside it")
         storage = np.dtype(_dtypes.lookup(info.dtype).np_storage)
+        maps: Dict[Path, np.memmap] = {}
+        if not copy and math.prod(shape):
+            for s in info.slices:
+                if all(so <= o and o + n <= so + sn for o, n, so, sn in zip(offset, shape, s.global_offset, s.local_shape)):
+                    src = self._block(maps, s, storage)
+                    view = src[tuple(slice(o - so, o - so + n) for o, n, so in zip(offset, shape, s.global_offset))]
+                    view.flags.writeable = False
+                    return view
         out = np.empty(shape, dtype=storage)
         if out.size == 0:
             return out
-        maps: Dict[Path, np.memmap] = {}
         try:
             for s in info.slices:
                 lo = [max(o, so) for o, so in zip(offset, s.global_offset)]
                 hi = [min(o + n, so + sn) for o, n, so, sn in zip(offset, shape, s.global_offset, s.local_shape)]
                 if any(a >= b for a, b in zip(lo, hi)):
                     continue
-                src = self._block(maps, s, storage)
-                out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))] = \
-                    src[tuple(slice(a - so, b - so) for a, b, so in zip(lo, hi, s.global_offset))]
+                dst = out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))]
+                whole = all(a == so and b == so + sn for a, b, so, sn in zip(lo, hi, s.global_offset, s.local_shape))
+                if whole and not s.fortran and dst.flags.c_contiguous:
+                    self._pread(s, dst)
+                else:
+                    src = self._block(maps, s, storage)
+                    dst[...] = src[tuple(slice(a - so, b - so) for a, b, so in zip(lo, hi, s.global_offset))]
         finally:
             maps.clear()  # the maps close when their last view goes
         return out
+
+    @staticmethod
+    def _pread(s: FileSlice, dst: np.ndarray) -> None:
+        """Fill the C-contiguous ``dst`` with the block's bytes, read straight into it."""
+        buf = memoryview(dst.reshape(-1).view(np.uint8))
+        try:
+            fd = os.open(s.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise CheckpointError(f"{s.file}: cannot be opened: {e.strerror or e}") from e
+        try:
+            done = 0
+            while done < len(buf):
+                n = os.preadv(fd, [buf[done:]], s.byte_offset + done)
+                if n <= 0:
+                    raise CheckpointError(f"{s.file}: the block {_where(s)} ends at byte {s.byte_offset + s.nbytes}, "
+                                          f"the file ended at {s.byte_offset + done} (it changed after it was indexed?)")
+                done += n
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _block(maps: dict, s: FileSlice, storage: np.dtype) -> np.ndarray:

@@ -1,0 +1,203 @@
+"""``paddle-fullparam convert`` benchmark: time and memory of converting a ~670 MB checkpoint on disk.
+
+Run (a few minutes; the machine should otherwise be idle)::
+
+    PY=$(scripts/env.sh paddleformers)
+    $PY bench/convert.py              # 3 interleaved repetitions -> bench/results/convert.json
+    $PY bench/convert.py --reps 5
+
+The checkpoint: the ~673 MB float32 PaddleFormers Llama of every single-process benchmark
+(``_common.LLAMA_KWARGS``: 8 layers, hidden 1024, vocab 32000, untied LM head), saved in the
+PaddleFormers Trainer's flex-checkpoint format (``checkpoint-1/model_state/``, written by Paddle's
+``save_state_dict``, the function the Trainer's save calls), with its config.json beside it.
+
+Variants, each in a fresh process, interleaved a, b, c, a, b, c, ...:
+
+* ``convert``: ``convert(checkpoint, out)`` with default settings (one process): index, checks,
+  lazy model, plan, read, transpose, write, hash, fsync, commit, all timed;
+* ``convert_workers2``: the same with ``workers=2`` (time only: the workers are other processes);
+* ``raw_copy``: the checkpoint's data files copied with plain reads and writes into one file,
+  then ``fsync``: the floor of reading and writing the same bytes.
+
+Memory: the RSS of the converting process is sampled every 2 ms around the timed call (baseline
+read right before it, after the imports); ``RssAnon`` (heap: what convert allocates) and
+``RssFile`` (pages of the memory-mapped checkpoint counted while mapped) are reported apart.
+Target (issue 13): peak extra RSS <= 0.1 x model bytes + the largest tensor. Both variants read
+the checkpoint from the page cache (it was just written or read; nothing here drops caches).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+VARIANTS = ("convert", "convert_workers2", "raw_copy")
+RESULT_PATH = C.RESULTS_DIR / "convert.json"
+
+
+def _status_kb() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "RssAnon:", "RssFile:")):
+                k, v = line.split(":", 1)
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+class StatusSampler:
+    """Peaks of VmRSS, RssAnon and RssFile over the timed region (every ``interval`` seconds)."""
+
+    def __init__(self, interval=0.002):
+        self.interval, self._stop = interval, threading.Event()
+        self.baseline, self.peak = {}, {}
+
+    def _sample(self):
+        for k, v in _status_kb().items():
+            self.peak[k] = max(self.peak.get(k, 0), v)
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self):
+        self.baseline = _status_kb()
+        self.peak = dict(self.baseline)
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._sample()
+        self._stop.set()
+        self._t.join()
+
+    def extra(self) -> dict:
+        return {k: self.peak[k] - self.baseline.get(k, 0) for k in self.peak}
+
+
+def make_checkpoint(root: Path) -> dict:
+    """Save the benchmark Llama as a PaddleFormers flex checkpoint; return its facts."""
+    import paddle.distributed as dist
+
+    C.quiet_logs()
+    model = C.build_llama(seed=0)
+    ckpt = root / "checkpoint-1"
+    dist.save_state_dict(model.sharded_state_dict(), str(ckpt / "model_state"))
+    config = dict(C.LLAMA_KWARGS, architectures=["LlamaForCausalLM"])
+    (root / "config.json").write_text(json.dumps(config))
+    sizes = [int(p.numel()) * p.element_size() for p in model.parameters()]
+    return {"model_bytes": sum(sizes), "largest_tensor_bytes": max(sizes), "tensors": len(sizes),
+            "checkpoint_files": C.tree_bytes(ckpt / "model_state")}
+
+
+def child(variant: str, root: Path, out: Path) -> dict:
+    C.quiet_logs()
+    ckpt, config = root / "checkpoint-1", root / "config.json"
+    result = {"variant": variant}
+    if variant.startswith("convert"):
+        from paddle_fullparam_callbacks.integrations.convert import convert
+
+        import paddleformers.transformers  # noqa: F401  (imported before the baseline, as in a user's process)
+
+        workers = 2 if variant == "convert_workers2" else 1
+
+        def run():
+            return convert(ckpt, out, model_config=config, workers=workers)
+    elif variant == "raw_copy":
+        files = sorted((ckpt / "model_state").glob("*.distcp"))
+
+        def run():
+            out.mkdir(parents=True, exist_ok=True)
+            with open(out / "raw.bin", "wb") as dst:
+                for f in files:
+                    with open(f, "rb") as src:
+                        shutil.copyfileobj(src, dst, 16 * 2**20)
+                dst.flush()
+                os.fsync(dst.fileno())
+    else:
+        raise SystemExit(f"unknown variant {variant!r}")
+    gc.collect()
+    C.trim_heap()
+    with StatusSampler() as s:
+        t0 = time.perf_counter()
+        info = run()
+        seconds = time.perf_counter() - t0
+    result.update(seconds=seconds, rss_baseline=s.baseline, rss_peak=s.peak, rss_extra=s.extra(),
+                  written=C.tree_bytes(out))
+    if info is not None:
+        result.update(snapshot=str(info.path), timings=dict(info.timings), num_tensors=info.num_tensors)
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--variant", choices=VARIANTS)
+    ap.add_argument("--root")
+    ap.add_argument("--out")
+    ap.add_argument("--make")
+    ns = ap.parse_args()
+    if ns.make:
+        print(json.dumps(make_checkpoint(Path(ns.make))))
+        return
+    if ns.variant:
+        print(json.dumps(child(ns.variant, Path(ns.root), Path(ns.out))))
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="pfc_bench_convert_"))
+    try:
+        facts = C.run_child([__file__, "--make", str(work / "src")])
+        runs = {v: [] for v in VARIANTS}
+        for rep in range(ns.reps):
+            for v in VARIANTS:
+                out = work / f"out-{v}-{rep}"
+                r = C.run_child([__file__, "--variant", v, "--root", str(work / "src"), "--out", str(out)])
+                runs[v].append(r)
+                shutil.rmtree(out, ignore_errors=True)
+                extra = r["rss_extra"]
+                print(f"rep {rep} {v:>17}: {r['seconds']:.2f} s, extra VmRSS {extra['VmRSS'] / 1e6:.0f} MB "
+                      f"(anon {extra['RssAnon'] / 1e6:.0f}, file {extra['RssFile'] / 1e6:.0f})", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    model_bytes, largest = facts["model_bytes"], facts["largest_tensor_bytes"]
+    bound = 0.1 * model_bytes + largest
+    med = {v: C.median([r["seconds"] for r in runs[v]]) for v in VARIANTS}
+    peak = {k: max(r["rss_extra"][k] for r in runs["convert"]) for k in ("VmRSS", "RssAnon", "RssFile")}
+    result = {
+        "benchmark": "convert",
+        "checkpoint": {"format": "PaddleFormers flex (model_state/0.metadata + 0_0.distcp)", **facts},
+        "repetitions": ns.reps,
+        "seconds": med,
+        "all_seconds": {v: [r["seconds"] for r in runs[v]] for v in VARIANTS},
+        "raw_copy_gb_s": facts["model_bytes"] / 1e9 / med["raw_copy"],
+        "convert_gb_s": facts["model_bytes"] / 1e9 / med["convert"],
+        "ratio_vs_raw_copy": med["raw_copy"] / med["convert"],
+        "ratio_workers2_vs_raw_copy": med["raw_copy"] / med["convert_workers2"],
+        "peak_extra_rss_bytes": peak,
+        "peak_extra_rss_bound_bytes": bound,
+        "target": "peak extra RSS (VmRSS) <= 0.1 x model bytes + largest tensor",
+        "target_met": peak["VmRSS"] <= bound,
+        "timings_convert": runs["convert"][-1].get("timings"),
+        "machine": C.machine_info(),
+        "commit": C.git_commit(),
+        "date": C.now_iso(),
+    }
+    C.write_json(RESULT_PATH, result)
+    print(json.dumps({k: result[k] for k in ("seconds", "ratio_vs_raw_copy", "peak_extra_rss_bytes",
+                                             "peak_extra_rss_bound_bytes", "target_met")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
