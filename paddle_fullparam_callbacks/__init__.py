@@ -1,15 +1,17 @@
 """Full-parameter Hugging Face snapshots of PaddlePaddle models while they train.
 
 Public surface: :class:`FullParamExportCallback`, :func:`attach`, the config types, :func:`load_config`,
-:func:`verify_snapshot` and the ``paddle-fullparam`` command.
+:func:`verify_snapshot`, :func:`convert` (a snapshot of a trainer checkpoint on disk) and the
+``paddle-fullparam`` command.
 """
 from ._version import __version__
 from .config import ConfigError, ExportConfig, FullParamConfig, RetentionConfig, TriggerConfig, load_config
 from .export.verify import verify_snapshot
 from .integrations.attach import attach
 from .integrations.callback import FullParamExportCallback
+from .integrations.convert import convert
 
 __all__ = [
     "ConfigError", "ExportConfig", "FullParamConfig", "FullParamExportCallback", "RetentionConfig",
-    "TriggerConfig", "__version__", "attach", "load_config", "verify_snapshot",
+    "TriggerConfig", "__version__", "attach", "convert", "load_config", "verify_snapshot",
 ]
