@@ -27,14 +27,16 @@ from paddle_fullparam_callbacks.integrations.checkpoints import CheckpointError
 from paddle_fullparam_callbacks.integrations.convert import convert
 
 FW = "paddleformers"
-MODES = {"single": (), "dp2": ("--tied",), "mp2": (), "pp2": ()}
+# case -> (job mode, flags)
+MODES = {"single": ("single", ()), "bf16": ("single", ("--bf16",)), "dp2": ("dp2", ("--tied",)), "mp2": ("mp2", ()),
+         "pp2": ("pp2", ())}
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pf_convert_jobs")
-    for mode, flags in MODES.items():
-        run_job(FW, mode, root / mode, *flags)
+    for case, (mode, flags) in MODES.items():
+        run_job(FW, mode, root / case, *flags)
     return root
 
 
@@ -48,9 +50,28 @@ def test_a_flex_checkpoint_converts_to_the_callbacks_snapshot(jobs, mode, tmp_pa
     assert_same_snapshot(info.path, base / SNAPSHOT)
     source = json.loads((info.path / "fullparam_manifest.json").read_text())["model"]["converted_from"]
     assert source["layout"] == "flex" and source["framework"] == FW
-    assert source["parallel"] == {"single": {}, "dp2": {"data_parallel_degree": 2}, "mp2": {"tensor_parallel_degree": 2},
-                                  "pp2": {"pipeline_parallel_degree": 2}}[mode]
+    assert source["parallel"] == {"single": {}, "bf16": {}, "dp2": {"data_parallel_degree": 2},
+                                  "mp2": {"tensor_parallel_degree": 2}, "pp2": {"pipeline_parallel_degree": 2}}[mode]
+    dtypes = {e["dtype"] for e in json.loads((info.path / "fullparam_manifest.json").read_text())["files"].values()
+              if isinstance(e, dict) and "dtype" in e}
+    assert json.loads((info.path / "config.json").read_text())["dtype"] == ("bfloat16" if mode == "bf16" else "float32"), dtypes
     assert (tmp_path / "out" / "latest").read_text().strip() == "hf-step-000002"
+
+
+def test_a_float32_checkpoint_converts_to_bfloat16_as_paddle_casts(jobs, tmp_path):
+    import paddle
+
+    from _helpers import snapshot_tensors
+
+    base = jobs / "single"
+    info = convert(base / CHECKPOINT, tmp_path / "out", model_config=base / "model_config.json",
+                   overrides=["export.dtype=bfloat16"])
+    got, fp32 = snapshot_tensors(info.path), snapshot_tensors(base / SNAPSHOT)
+    assert set(got) == set(fp32)
+    for k, v in fp32.items():
+        want = paddle.to_tensor(v).astype("bfloat16").view(paddle.uint16).numpy()
+        assert got[k].dtype == np.uint16 and got[k].tobytes() == want.tobytes(), k
+    assert json.loads((info.path / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_transformers_reads_a_converted_snapshot_with_paddles_logits(jobs, tmp_path, hf_python):

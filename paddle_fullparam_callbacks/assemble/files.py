@@ -20,15 +20,32 @@ from .local import _permutations_and_cast, _whole
 from .mapping import DestinationMap
 
 
+_CAST_BLOCK_BYTES = 16 * 2**20
+
+
 def cast_array(arr: np.ndarray, src: str, dst: str) -> np.ndarray:
-    """``arr`` (storage of Paddle dtype ``src``) cast to ``dst`` the way Paddle casts it."""
+    """``arr`` (storage of Paddle dtype ``src``) cast to ``dst`` the way Paddle casts it.
+
+    Cast in blocks of rows (about 16 MB each): a read-only or strided ``arr`` (a view of a mapped
+    file, a transposed weight) costs one block's copy on top of the result, never a second tensor."""
     if src == dst or not (_dtypes.lookup(src).is_float and _dtypes.lookup(dst).is_float):
         return arr
     from .mesh import _to_paddle
 
-    out = _to_paddle(np.ascontiguousarray(arr), src).astype(dst).numpy()
-    storage = _dtypes.lookup(dst).np_storage
-    return out if out.dtype == np.dtype(storage) else out.view(storage)
+    storage = np.dtype(_dtypes.lookup(dst).np_storage)
+    out = np.empty(arr.shape, dtype=storage)
+    if arr.size == 0:
+        return out
+    if arr.ndim == 0:
+        flat = [()]
+    else:
+        rows = max(1, _CAST_BLOCK_BYTES // max(1, arr[0].nbytes if arr.shape[0] else 1))
+        flat = [(slice(i, i + rows),) for i in range(0, arr.shape[0], rows)]
+    for index in flat:
+        block = np.array(arr[index], order="C")  # a writable contiguous copy: what DLPack accepts
+        cast = _to_paddle(block, src).astype(dst).numpy()
+        out[index] = cast if cast.dtype == storage else cast.view(storage)
+    return out
 
 
 def _postprocess(arr: np.ndarray, dtype: str, pp_list) -> Tuple[np.ndarray, str]:

@@ -60,6 +60,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--tied", action="store_true")
     ap.add_argument("--fused", action="store_true")
+    ap.add_argument("--bf16", action="store_true", help="a bfloat16 model (no step: AdamW has no bf16 CPU kernel)")
     ns = ap.parse_args()
     fw, out = ns.framework, ns.out
 
@@ -90,17 +91,26 @@ def main():
         tp = getattr(args, "tensor_parallel_degree", 1)
         tp_rank = getattr(args, "tensor_parallel_rank", 0)
         model, over = build(fw, ns.mode, ns.tied, ns.fused, tp, tp_rank)
+        if ns.bf16:
+            model.to(dtype="bfloat16")
         trainer = make_trainer(fw, model, args, [cb])
     rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))
-    if ns.mode in ("single", "dp2"):
+    if ns.mode in ("single", "dp2") and not ns.bf16:
         trainer.train()
     else:
         trainer.callback_handler.on_train_begin(trainer.args, trainer.state, trainer.control)
         trainer.create_optimizer_and_scheduler(num_training_steps=2)
-        loss = sum((p * p).sum() for p in model.parameters())
-        loss.backward()
-        trainer.optimizer.step()
-        trainer.optimizer.clear_grad()
+        if ns.bf16:  # the optimizer's state (moments, fp32 master weights) without a step
+            import paddle
+
+            trainer.optimizer._multi_precision = True
+            trainer.optimizer._create_accumulators(paddle.static.default_main_program().global_block(),
+                                                   [p for p in model.parameters() if not p.stop_gradient])
+        else:
+            loss = sum((p * p).sum() for p in model.parameters())
+            loss.backward()
+            trainer.optimizer.step()
+            trainer.optimizer.clear_grad()
         trainer.state.global_step = 2
         trainer._save_checkpoint(trainer.model)
         trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
@@ -121,7 +131,7 @@ def main():
                      **{k: v for k, v in over.items() if not k.startswith("tensor_")})
         with open(os.path.join(out, "model_config.json"), "w") as f:
             json.dump(plain, f)
-        if ns.mode == "single":
+        if ns.mode == "single" and not ns.bf16:
             sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             from _helpers import paddle_logits
 
