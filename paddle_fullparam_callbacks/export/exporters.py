@@ -11,7 +11,7 @@ from typing import Callable, Dict, Optional
 
 from ..config.schema import ConfigError
 from ..plan.export_plan import ExportPlan
-from .host import detached_copy, to_host_array
+from .host import detached_copy, to_host_array, with_zero_row
 from .safetensors_io import FileResult, SnapshotWriter
 
 
@@ -25,7 +25,8 @@ class Exporter:
         """``file_indices``: the files this rank writes (None: all)."""
         raise NotImplementedError
 
-    def write(self, name: str, tensor) -> None:
+    def write(self, name: str, tensor, zero_row: Optional[int] = None) -> None:
+        """``zero_row``: a row (first axis) exported as zeros (an embedding's padding row)."""
         raise NotImplementedError
 
     def finish(self) -> Dict[str, FileResult]:
@@ -56,13 +57,13 @@ class SafetensorsExporter(Exporter):
         if wait is not None:
             wait(nbytes)
 
-    def write(self, name, tensor):
+    def write(self, name, tensor, zero_row=None):
         arr = to_host_array(tensor)
         release = None
         if self.copy:
             copied, release = self.ring.copy_in(arr) if self.ring is not None else (None, None)
             arr = copied if copied is not None else detached_copy(arr)
-        self.writer.put(name, arr, release)
+        self.writer.put(name, arr, release, zero_row=zero_row)  # the writer zeroes the row: no copy
 
     def finish(self):
         return self.writer.close()
@@ -98,7 +99,9 @@ class CallableExporter(Exporter):
     def begin(self, plan, staging_dir, step, file_indices=None):
         self.step = step
 
-    def write(self, name, tensor):
+    def write(self, name, tensor, zero_row=None):
+        if zero_row is not None:
+            tensor = with_zero_row(tensor, zero_row)
         self.fn(name, tensor, step=self.step)
 
     def finish(self):

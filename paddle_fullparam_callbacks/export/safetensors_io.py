@@ -95,34 +95,45 @@ class _FileState:
             self._unflushed = 0
             return True
 
-    def write(self, slot: TensorSlot, array: np.ndarray, hash_it: bool, done) -> None:
-        """Queue ``array``'s pieces at its slot; ``done()`` runs once all are written (and hashed)."""
-        w = self.writer
+    def write(self, slot: TensorSlot, array: np.ndarray, hash_it: bool, done, zero_row: Optional[int] = None) -> None:
+        """Queue ``array``'s pieces at its slot (row ``zero_row`` as zeros); ``done()`` runs once all
+        are written (and hashed)."""
         tensor = Countdown(done)
         try:
-            contiguous = array.flags.c_contiguous or array.ndim == 0
-            step = w._piece_bytes if contiguous else w._block_bytes
             offset = self.base + slot.begin
-            for r0, r1 in row_blocks(array, step):
-                _faults.point("block")
-                w._check()
-                src = array if array.ndim == 0 else array[r0:r1]
-                if contiguous:
-                    buf, view, give_back = None, _dtypes.as_bytes_view(src), None
-                else:
-                    t = time.perf_counter()
-                    buf, give_back = w._pool.get(src.nbytes)
-                    w.stats.add("pool_wait_s", time.perf_counter() - t)
-                    view = None
-                tensor.hold()
-                self.outstanding.hold()
-                piece = Piece(self, offset, src, buf, view, _then(give_back, tensor.done, self.outstanding.done))
-                w._pipeline.submit(piece, hash_it)
-                w.stats.add("blocks", 1)
-                offset += src.nbytes
+            if zero_row is None:
+                parts = [array]
+            else:  # the rows around it as they are, the row itself from a small buffer of zeros
+                parts = [array[:zero_row], np.zeros(array[zero_row].shape, array.dtype), array[zero_row + 1:]]
+            for part in parts:
+                if part.ndim and not len(part) and part is not array:
+                    continue
+                offset = self._queue_pieces(part, offset, hash_it, tensor)
         finally:
             tensor.done()
         self.written.add(slot.name)
+
+    def _queue_pieces(self, array: np.ndarray, offset: int, hash_it: bool, tensor: Countdown) -> int:
+        w = self.writer
+        contiguous = array.flags.c_contiguous or array.ndim == 0
+        for r0, r1 in row_blocks(array, w._piece_bytes if contiguous else w._block_bytes):
+            _faults.point("block")
+            w._check()
+            src = array if array.ndim == 0 else array[r0:r1]
+            if contiguous:
+                buf, view, give_back = None, _dtypes.as_bytes_view(src), None
+            else:
+                t = time.perf_counter()
+                buf, give_back = w._pool.get(src.nbytes)
+                w.stats.add("pool_wait_s", time.perf_counter() - t)
+                view = None
+            tensor.hold()
+            self.outstanding.hold()
+            w._pipeline.submit(Piece(self, offset, src, buf, view, _then(give_back, tensor.done, self.outstanding.done)),
+                               hash_it)
+            w.stats.add("blocks", 1)
+            offset += src.nbytes
+        return offset
 
     def finish(self) -> None:
         """No more pieces: the file ends (on the file thread) once the queued ones are done."""
@@ -220,8 +231,10 @@ class SnapshotWriter:
         slot = self.plan.slots.get(name)
         return slot is not None and slot.file_index in self.files
 
-    def put(self, name: str, array: np.ndarray, release=None) -> None:
-        """Hand over one tensor; ``release()`` is called once its bytes are written and hashed."""
+    def put(self, name: str, array: np.ndarray, release=None, zero_row: Optional[int] = None) -> None:
+        """Hand over one tensor; ``release()`` is called once its bytes are written and hashed.
+        ``zero_row``: a row (first axis) written as zeros instead of its values (an embedding's
+        padding row), without a copy of the tensor."""
         self._raise_if_failed()
         slot = self.plan.slots.get(name)
         if slot is None:
@@ -236,6 +249,8 @@ class SnapshotWriter:
                 f"tensor {name!r}: got {array.dtype}{list(array.shape)}, the plan says "
                 f"{slot.dtype}{list(slot.shape)} (storage {storage})"
             )
+        if zero_row is not None and not (array.ndim and 0 <= zero_row < len(array)):
+            raise ValueError(f"tensor {name!r}: row {zero_row} to zero is not a row of {list(array.shape)}")
         self._received.add(name)
         n = array.nbytes
         t = time.perf_counter()
@@ -249,10 +264,21 @@ class SnapshotWriter:
             self._note_peak()
         self.stats.add("put_wait_s", time.perf_counter() - t)
         if self._thread is None:
-            self._accept_safely(slot, array, release)
+            self._accept_safely(slot, array, release, zero_row)
             self._raise_if_failed()
             return
-        self._queue.put((slot, array, release))
+        self._queue.put((slot, array, release, zero_row))
+
+    def wait_for_room(self, nbytes: int) -> None:
+        """Block until ``put`` of ``nbytes`` would not wait: for a producer that reads its next tensor
+        on demand (``convert``), so that it never holds a large tensor while another is still queued."""
+        if self._thread is None:
+            return
+        t = time.perf_counter()
+        with self._cv:
+            while self._queued_bytes and self._queued_bytes + nbytes > self.budget // 2 and not self._stopped():
+                self._cv.wait()
+        self.stats.add("put_wait_s", time.perf_counter() - t)
 
     def close(self) -> dict:
         """Wait for all bytes, fsync every file, return {file name: FileResult}."""
@@ -289,7 +315,7 @@ class SnapshotWriter:
         for state in self._states.values():
             state.close_quietly()
             held, state.stash = state.stash, {}
-            for _, release in held.values():  # the producer gets its memory back
+            for _, release, _ in held.values():  # the producer gets its memory back
                 if release is not None:
                     release()
         for spec in self.files.values():
@@ -336,15 +362,15 @@ class SnapshotWriter:
 
         return done
 
-    def _accept(self, slot: TensorSlot, array: np.ndarray, release=None) -> None:
+    def _accept(self, slot: TensorSlot, array: np.ndarray, release=None, zero_row=None) -> None:
         st = self._state(slot.file_index)
         expected = st.order[st.next_slot] if st.next_slot < len(st.order) else None
         if expected is not None and expected.name == slot.name:
-            st.write(slot, array, not st.rehash, self._done_fn(array.nbytes, release))
+            st.write(slot, array, not st.rehash, self._done_fn(array.nbytes, release), zero_row)
             st.next_slot += 1
             self._drain_stash(st)
         elif self._stash_bytes + array.nbytes <= self.budget // 2:
-            st.stash[slot.name] = (array, release)
+            st.stash[slot.name] = (array, release, zero_row)
             with self._cv:  # no longer queued: waiting in the stash
                 self._stash_bytes += array.nbytes
                 self._queued_bytes -= array.nbytes
@@ -352,16 +378,16 @@ class SnapshotWriter:
                 self._cv.notify_all()
         else:  # out of order, no room: written now, the checksum is redone by reading the file back
             st.rehash = True
-            st.write(slot, array, False, self._done_fn(array.nbytes, release))
+            st.write(slot, array, False, self._done_fn(array.nbytes, release), zero_row)
         if st.done and not st.stash:
             st.finish()
 
-    def _accept_safely(self, slot, array, release) -> None:
+    def _accept_safely(self, slot, array, release, zero_row=None) -> None:
         try:
             if self._stopped():
                 self._done_fn(array.nbytes, release)()  # dropped: the budget still comes back
             else:
-                self._accept(slot, array, release)
+                self._accept(slot, array, release, zero_row)
         except BaseException as e:  # reported to the producer on its next call
             self._fail(e)
 
@@ -370,11 +396,11 @@ class SnapshotWriter:
             s = st.order[st.next_slot]
             held = st.stash.pop(s.name, None)
             if held is not None:
-                array, release = held
+                array, release, zero_row = held
                 with self._cv:  # back among the bytes not yet written
                     self._stash_bytes -= array.nbytes
                     self._queued_bytes += array.nbytes
-                st.write(s, array, not st.rehash, self._done_fn(array.nbytes, release))
+                st.write(s, array, not st.rehash, self._done_fn(array.nbytes, release), zero_row)
             elif s.name in st.written:
                 st.rehash = True
             else:
@@ -387,6 +413,8 @@ class SnapshotWriter:
             if item is None:
                 return
             self._accept_safely(*item)
+            item = None  # not held while waiting for the next: the producer's memory goes once written
+            item = None  # not held while waiting for the next tensor
 
     def _stop_thread(self) -> None:
         if self._thread is not None:

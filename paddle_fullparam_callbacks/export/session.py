@@ -36,7 +36,6 @@ from . import commit
 from .distributed import LocalContext
 from .exporters import Exporter, load_callable, make_exporter
 from .finishing import Committer, ExportJob, finish_local, new_run_id
-from .host import with_zero_row
 from .lock import release_on_signals
 from .manifest import clean_metrics
 from .planning import PreparedExport, plan_export
@@ -238,9 +237,9 @@ class ExportSession:
                     beat()
                     if job.error is None:
                         try:
-                            if tname in p.zero_rows and job.source.tensors is None:  # file sources zero their own
-                                tensor = with_zero_row(tensor, p.zero_rows[tname])
-                            job.exporter.write(tname, tensor)
+                            # an embedding's padding row goes out as zeros (file sources zero their own)
+                            zero_row = p.zero_rows.get(tname) if job.source.tensors is None else None
+                            job.exporter.write(tname, tensor, zero_row=zero_row)
                             job.seen += 1
                             _faults.point("tensor")
                             progress.update(p.plan.slots[tname].nbytes)

@@ -245,6 +245,7 @@ class Pipeline:
             if item is None:
                 return
             fn(item)
+            item = None  # not held while waiting for the next: a tensor's memory goes once it is written
 
     def _prep_loop(self) -> None:
         self._loop(self._prep_q, lambda item: self._prepare(*item))

@@ -327,3 +327,27 @@ def test_peak_copy_memory_is_the_pool(tmp_path, monkeypatch):
     w.close()
     assert len(made) <= 3 and sum(made) <= 3 * (1 << 16)
     assert load_file(str(tmp_path / plan.files[0].name))["x"].tobytes() == np.ascontiguousarray(x).tobytes()
+
+
+# ---- a padding row written as zeros, without a copy of the tensor ---------------------------------
+@pytest.mark.parametrize("row", [0, 17, 63])
+@pytest.mark.parametrize("background", [True, False], ids=["bg", "fg"])
+def test_zero_row_is_written_as_zeros(tmp_path, small_blocks, background, row):
+    rng = np.random.default_rng(5)
+    arrays = {"emb.weight": rng.standard_normal((64, 48)).astype(np.float32),
+              "head.weight": rng.standard_normal((48, 64)).astype(np.float32).T}
+    before = {n: np.array(a, copy=True) for n, a in arrays.items()}
+    plan = build_export_plan([TensorSpec(n, a.shape, "float32") for n, a in arrays.items()], 10**6)
+    w = SnapshotWriter(plan, tmp_path, background=background)
+    with pytest.raises(ValueError, match=r"row 64 to zero is not a row of \[64, 48\]"):
+        w.put("emb.weight", arrays["emb.weight"], zero_row=64)
+    for n in _in_file_order(plan)[::-1]:  # the second one waits in the stash with its row
+        w.put(n, arrays[n], zero_row=row)
+    results = w.close()
+    path = tmp_path / plan.files[0].name
+    assert results[plan.files[0].name].digest == checksum.digest_of_file(path)
+    for n, a in arrays.items():
+        expected = np.array(a, copy=True)
+        expected[row] = 0
+        assert read_tensor(path, n).tobytes() == expected.tobytes(), n
+        assert np.array_equal(a, before[n])  # the producer's memory is not touched
