@@ -11,7 +11,7 @@ bits as the callback's export of the same weights.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Callable, Iterable, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -60,28 +60,27 @@ def _postprocess(arr: np.ndarray, dtype: str, pp_list) -> Tuple[np.ndarray, str]
 class FileAssembler:
     """Destinations of ``dmap`` from ``tensors`` (see ``export.source.TensorSource``).
 
-    ``zero_rows``: destination -> row exported as zeros (an embedding's padding row), set in the
-    array this assembler owns (read as a copy), never in a view of the files. ``room(nbytes)``:
-    called before each destination is read, to wait until the writer can take it, so that the
-    tensor in hand and the tensors waiting to be written are never both large."""
+    A destination that is one stored region comes out as a read-only view of the files (transposed
+    as a view); the writer copies what it needs. ``room(nbytes)``: called before each destination is
+    read, to wait until the writer can take it, so that the tensor in hand and the tensors waiting
+    to be written are never both large."""
 
     def __init__(self, tensors, dmap: DestinationMap, export_dtype: str = "keep",
-                 zero_rows: Optional[Dict[str, int]] = None, room: Optional[Callable[[int], None]] = None):
+                 room: Optional[Callable[[int], None]] = None):
         self.tensors = tensors
         self.dmap = dmap
         self.export_dtype = export_dtype
-        self.zero_rows = dict(zero_rows or {})
         self.room = room
 
-    def _piece(self, entry, copy: bool = False) -> Tuple[np.ndarray, str]:
+    def _piece(self, entry) -> Tuple[np.ndarray, str]:
         src = entry.source_slice
-        arr = self.tensors.read(src.key, tuple(src.global_offset), tuple(src.local_shape), copy=copy)
+        arr = self.tensors.read(src.key, tuple(src.global_offset), tuple(src.local_shape))
         return _postprocess(arr, src.dtype, entry.postprocess_list)
 
     def assemble(self, name: str) -> Tuple[np.ndarray, str]:
         entries = self.dmap.entries[name]
         if len(entries) == 1 and _whole(entries[0].target_slice):
-            return self._piece(entries[0], copy=name in self.zero_rows)
+            return self._piece(entries[0])
         spec = self.dmap.spec_by_name[name]
         out = np.empty(tuple(entries[0].target_slice.global_shape), dtype=_dtypes.lookup(spec.dtype).np_storage)
         for e in entries:
@@ -105,8 +104,5 @@ class FileAssembler:
             arr, dtype = self.assemble(name)
             if self.export_dtype != "keep":
                 arr = cast_array(arr, dtype, self.export_dtype)
-            if name in self.zero_rows:
-                if not arr.flags.writeable:
-                    arr = np.array(arr)
-                arr[self.zero_rows[name]] = 0
             yield name, arr
+            del arr  # the consumer has it: not held here while the next destination is read

@@ -237,14 +237,14 @@ class ExportSession:
                     beat()
                     if job.error is None:
                         try:
-                            # an embedding's padding row goes out as zeros (file sources zero their own)
-                            zero_row = p.zero_rows.get(tname) if job.source.tensors is None else None
-                            job.exporter.write(tname, tensor, zero_row=zero_row)
+                            # an embedding's padding row goes out as zeros
+                            job.exporter.write(tname, tensor, zero_row=p.zero_rows.get(tname))
                             job.seen += 1
                             _faults.point("tensor")
                             progress.update(p.plan.slots[tname].nbytes)
                         except Exception as e:
                             job.error = f"{type(e).__name__}: {e}"
+                    tensor = None  # not held while the next one is read (the writer keeps what it still needs)
         except Exception as e:
             job.error = job.error or f"{type(e).__name__}: {e}"
         finally:

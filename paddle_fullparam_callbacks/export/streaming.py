@@ -22,13 +22,12 @@ logger = logging.getLogger("paddle_fullparam_callbacks")
 def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: ModelSource,
                    targets: List[str], keep: set, room=None) -> Iterator[Tuple[str, object]]:
     """``room(nbytes)``: waits until the writer can take a tensor that large (file sources only: a live
-    model's tensors exist already, a file's are read on demand). File sources yield their padding rows
-    zeroed already."""
+    model's tensors exist already, a file's are read on demand)."""
     mapped = config.export.format != "paddle_safetensors"
     if source.tensors is not None:  # slices in files (convert): read and assembled here, no communication
         from ..assemble.files import FileAssembler
 
-        asm = FileAssembler(source.tensors, p.dmap, config.export.dtype, zero_rows=p.zero_rows, room=room)
+        asm = FileAssembler(source.tensors, p.dmap, config.export.dtype, room=room)
         yield from asm.run([n for n in targets if n in keep])
         return
     if config.assembler == "paddle":
