@@ -16,8 +16,8 @@ Variants, each in a fresh process, interleaved a, b, c, a, b, c, ...:
 * ``convert``: ``convert(checkpoint, out)`` with default settings (one process): index, checks,
   lazy model, plan, read, transpose, write, hash, fsync, commit, all timed;
 * ``convert_workers2``: the same with ``workers=2`` (time only: the workers are other processes);
-* ``raw_copy``: the checkpoint's data files copied with plain reads and writes into one file,
-  then ``fsync``: the floor of reading and writing the same bytes.
+* ``raw_copy``: the checkpoint's data files copied by the kernel (``copy_file_range``) into one
+  file, then ``fsync``: the floor of reading and writing the same bytes.
 
 Memory: the RSS of the converting process is sampled every 2 ms around the timed call (baseline
 read right before it, after the imports); ``RssAnon`` (heap: what convert allocates) and
@@ -117,13 +117,17 @@ def child(variant: str, root: Path, out: Path) -> dict:
     elif variant == "raw_copy":
         files = sorted((ckpt / "model_state").glob("*.distcp"))
 
-        def run():
+        def run():  # the kernel copies (copy_file_range: no user-space buffer), then one fsync
             out.mkdir(parents=True, exist_ok=True)
             with open(out / "raw.bin", "wb") as dst:
                 for f in files:
                     with open(f, "rb") as src:
-                        shutil.copyfileobj(src, dst, 16 * 2**20)
-                dst.flush()
+                        left = os.fstat(src.fileno()).st_size
+                        while left > 0:
+                            n = os.copy_file_range(src.fileno(), dst.fileno(), left)
+                            if n <= 0:
+                                raise OSError(f"copy_file_range stopped with {left} bytes left")
+                            left -= n
                 os.fsync(dst.fileno())
     else:
         raise SystemExit(f"unknown variant {variant!r}")
