@@ -84,13 +84,15 @@ def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _entry(fname: str, name: str, e) -> HeaderEntry:
-    """One checked header entry; raises SafetensorsFormatError naming the file and the tensor."""
+def _entry(fname: str, name: str, e, extra_codes=None) -> HeaderEntry:
+    """One checked header entry; raises SafetensorsFormatError naming the file and the tensor.
+    ``extra_codes``: dtype codes beyond the package's table, with their item sizes."""
     where = f"{fname}: tensor {short(name)}"
     if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
         raise SafetensorsFormatError(f"{where} has a malformed header entry {short(e)}")
     code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
-    if not isinstance(code, str) or code not in _dtypes.BY_ST_CODE:
+    itemsizes = {c: row.itemsize for c, row in _dtypes.BY_ST_CODE.items()} | dict(extra_codes or {})
+    if not isinstance(code, str) or code not in itemsizes:
         raise SafetensorsFormatError(f"{where} has unknown dtype {short(code)}")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise SafetensorsFormatError(f"{where} has invalid shape {short(shape)}")
@@ -98,7 +100,7 @@ def _entry(fname: str, name: str, e) -> HeaderEntry:
             and offsets[0] <= offsets[1]):
         raise SafetensorsFormatError(f"{where} has invalid offsets {short(offsets)}")
     begin, end = offsets
-    expected = math.prod(shape) * _dtypes.BY_ST_CODE[code].itemsize
+    expected = math.prod(shape) * itemsizes[code]
     if end - begin != expected:
         raise SafetensorsFormatError(
             f"{where} spans {end - begin} bytes, its shape {list(shape)} of {code} needs {expected}")
@@ -123,7 +125,7 @@ def _check_layout(fname: str, entries: dict, data_start: int, size: int) -> None
         raise SafetensorsFormatError(f"{fname}: {size - data_start - cursor} trailing bytes after the last tensor")
 
 
-def parse_header(f, fname: str) -> tuple:
+def parse_header(f, fname: str, extra_codes=None) -> tuple:
     """:func:`read_header` of an open binary file (read from its start); ``fname`` names it in messages."""
     size = os.fstat(f.fileno()).st_size
     f.seek(0)
@@ -145,7 +147,7 @@ def parse_header(f, fname: str) -> tuple:
     if not isinstance(obj, dict):
         raise SafetensorsFormatError(f"{fname}: header is not a JSON object")
     metadata = obj.pop("__metadata__", None)
-    entries = {name: _entry(fname, name, e) for name, e in obj.items()}
+    entries = {name: _entry(fname, name, e, extra_codes) for name, e in obj.items()}
     _check_layout(fname, entries, 8 + n, size)
     return metadata, entries, 8 + n
 
@@ -162,14 +164,16 @@ def _open_regular(path: Path):
         raise
 
 
-def read_header(path: "str | os.PathLike") -> tuple:
+def read_header(path: "str | os.PathLike", extra_codes=None) -> tuple:
     """Parse and bounds-check a safetensors header. Returns (metadata, {name: HeaderEntry}, data_start).
 
-    Raises SafetensorsFormatError naming the file and the tensor at fault (OSError if it cannot be opened).
+    ``extra_codes``: {dtype code: item size} accepted beyond the package's dtypes (e.g. PaddleNLP's
+    ``U16``). Raises SafetensorsFormatError naming the file and the tensor at fault (OSError if it
+    cannot be opened).
     """
     path = Path(path)
     with _open_regular(path) as f:
-        return parse_header(f, path.name)
+        return parse_header(f, path.name, extra_codes)
 
 
 def read_tensor(path: "str | os.PathLike", name: str) -> np.ndarray:

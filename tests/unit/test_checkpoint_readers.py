@@ -208,5 +208,5 @@ def test_a_truncated_safetensors_shard_is_refused(tmp_path):
     assert open_checkpoint(ckpt).layout == "unified-safetensors"
     data = (ckpt / "model.safetensors").read_bytes()
     (ckpt / "model.safetensors").write_bytes(data[:-10])
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: the tensors end at byte \d+, the file has \d+ bytes \(truncated\?\)"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor .a. runs past the end of the file \(.*truncated\?\)"):
         open_checkpoint(ckpt)

@@ -5,25 +5,21 @@
 * PaddleNLP 2.8 ``unified_checkpoint=True``: PaddleNLP names, Paddle layout, tensors merged over the
   tensor-parallel ranks, bfloat16 written as ``U16`` (only config.json's ``dtype`` says it is bfloat16).
 
-The header check is ``export.safetensors_io.read_header``'s (length bound, strict JSON, every entry's
+The header check is ``export.safetensors_read.read_header``'s (length bound, strict JSON, every entry's
 size, the tensors tiling the data area, nothing past the end), with one code more: ``U16``, which the
 package's dtype table does not carry because no export writes it.
 """
 from __future__ import annotations
 
-import math
-import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ... import _dtypes
-from ...export.safetensors_io import parse_json_strict, short
+from ...export.safetensors_read import SafetensorsFormatError, parse_json_strict, read_header, short
 from ._base import CheckpointError, FileSlice, TensorInfo
 
-_MAX_HEADER = 100 * 2**20  # the safetensors library's bound, as read_header's
 _U16 = "U16"  # PaddleNLP's bfloat16 (its numpy writer has no bfloat16)
 
 
@@ -40,68 +36,14 @@ class StEntry:
         return "uint16" if self.code == _U16 else _dtypes.BY_ST_CODE[self.code].np_storage
 
 
-def _itemsize(code: str) -> Optional[int]:
-    if code == _U16:
-        return 2
-    row = _dtypes.BY_ST_CODE.get(code)
-    return row.itemsize if row else None
-
-
-def _is_count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
 def read_st_header(path: Path) -> Tuple[Optional[dict], Dict[str, StEntry]]:
-    """The checked header of a safetensors file: ``(metadata, {name: StEntry})``."""
-    name = path.name
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{name}: not a regular file")
-        size = st.st_size
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{name}: file is {size} bytes, too short for a safetensors header")
-        n = int.from_bytes(raw, "little")
-        if n > _MAX_HEADER or 8 + n > size:
-            raise CheckpointError(f"{name}: header length {n} does not fit the file ({size} bytes; truncated?)")
-        text = f.read(n)
+    """The checked header of a safetensors file (``export.safetensors_read.read_header``'s checks, with
+    ``U16`` accepted): ``(metadata, {name: StEntry})``."""
     try:
-        obj = parse_json_strict(text)
-    except ValueError as e:
-        raise CheckpointError(f"{name}: header {e}") from e
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{name}: header is not a JSON object")
-    metadata = obj.pop("__metadata__", None)
-    entries = {}
-    for key, e in obj.items():
-        where = f"{name}: tensor {short(key)}"
-        if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
-            raise CheckpointError(f"{where} has a malformed header entry {short(e)}")
-        code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
-        itemsize = _itemsize(code) if isinstance(code, str) else None
-        if itemsize is None:
-            raise CheckpointError(f"{where} has unsupported dtype {short(code)}")
-        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-            raise CheckpointError(f"{where} has invalid shape {short(shape)}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
-                and offsets[0] <= offsets[1]):
-            raise CheckpointError(f"{where} has invalid offsets {short(offsets)}")
-        if offsets[1] - offsets[0] != math.prod(shape) * itemsize:
-            raise CheckpointError(f"{where} spans {offsets[1] - offsets[0]} bytes, its shape {shape} of {code} "
-                                  f"needs {math.prod(shape) * itemsize}")
-        entries[key] = StEntry(key, code, tuple(shape), 8 + n + offsets[0], offsets[1] - offsets[0])
-    cursor = 8 + n
-    for e in sorted(entries.values(), key=lambda e: (e.offset, e.nbytes)):
-        if e.offset != cursor:
-            what = "overlaps the tensor before it" if e.offset < cursor else f"follows a gap of {e.offset - cursor} bytes"
-            raise CheckpointError(f"{name}: tensor {short(e.name)} {what}")
-        cursor += e.nbytes
-    if cursor != size:
-        raise CheckpointError(f"{name}: the tensors end at byte {cursor}, the file has {size} bytes"
-                              + (" (truncated?)" if cursor > size else ""))
-    return metadata, entries
+        metadata, entries, start = read_header(path, extra_codes={_U16: 2})
+    except SafetensorsFormatError as e:
+        raise CheckpointError(str(e)) from e
+    return metadata, {k: StEntry(k, e.dtype, e.shape, start + e.begin, e.end - e.begin) for k, e in entries.items()}
 
 
 def config_dtype(config: Optional[dict]) -> Optional[str]:
