@@ -189,3 +189,17 @@ def test_a_second_conversion_never_replaces_the_first(jobs, tmp_path):
         convert(base / CHECKPOINT, tmp_path / "out", model_config=base / "model_config.json")
     assert {p.name: p.stat().st_mtime_ns for p in first.path.iterdir()} == before
     assert verify_snapshot(first.path).ok
+
+
+def test_tokenizer_files_saved_in_the_checkpoint_are_copied_into_the_snapshot(jobs, tmp_path):
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(jobs / "single" / CHECKPOINT, ckpt)
+    (ckpt / "tokenizer_config.json").write_text('{"model_max_length": 128}')
+    (ckpt / "special_tokens_map.json").write_text('{"pad_token": "<pad>"}')
+    (ckpt / "notes.txt").write_text("not a tokenizer file")
+    info = convert(ckpt, tmp_path / "out", model_config=jobs / "single" / "model_config.json")
+    names = {p.name for p in info.path.iterdir()}
+    assert {"tokenizer_config.json", "special_tokens_map.json"} <= names and "notes.txt" not in names
+    assert (info.path / "tokenizer_config.json").read_text() == '{"model_max_length": 128}'
+    assert "tokenizer_config.json" in json.loads((info.path / "fullparam_manifest.json").read_text())["files"]
+    assert verify_snapshot(info.path).ok

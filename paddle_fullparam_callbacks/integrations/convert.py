@@ -197,14 +197,14 @@ def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
     ckpt = open_checkpoint(path, config=cfg, model_class=cls)
     if ckpt.framework != framework:
         cls = model_class(ckpt.framework, cfg)
-    # every layout holds global tensors as one process's model names and lays them out (PaddleNLP's
-    # merged its ranks' pieces; PaddleFormers' flex metadata places them): the model is built for one process
-    model = build_lazy_model(cls, cfg)
-    expected = {k: tuple(sw.global_shape) for k, sw in model.sharded_state_dict().items()}
     if ckpt.layout == "hf-safetensors":
         raise ConvertError(
             f"{path}: already holds Hugging Face names and layout (PaddleFormers' unified_checkpoint / sharding_io "
             "save): it loads in transformers as it is; convert reads flex checkpoints (PaddleFormers' default)")
+    # every layout holds global tensors as one process's model names and lays them out (PaddleNLP's
+    # merged its ranks' pieces; PaddleFormers' flex metadata places them): the model is built for one process
+    model = build_lazy_model(cls, cfg)
+    expected = {k: tuple(sw.global_shape) for k, sw in model.sharded_state_dict().items()}
     check_against_model(ckpt, expected, cls.__name__)
     source = build_model_source(model, config)
     if ckpt.parallel.get("tensor_parallel_degree", 1) > 1 or ckpt.parallel.get("pipeline_parallel_degree", 1) > 1:
