@@ -147,6 +147,41 @@ def trim_heap() -> bool:
         return False
 
 
+def wait_quiet(max_wait: float = 60.0, busy_below: float = 15.0, window: float = 1.0) -> dict:
+    """Wait (at most ``max_wait`` s) until the machine's CPUs are idle: less than ``busy_below``
+    percent busy over ``window`` s. Other work on a shared 2-core machine (someone else's tests)
+    otherwise lands in whichever variant runs beside it. Returns what it saw, for the record."""
+    import psutil
+
+    t0 = time.perf_counter()
+    busy = 100.0
+    while True:
+        busy = 100.0 - psutil.cpu_times_percent(interval=window).idle
+        waited = time.perf_counter() - t0
+        if busy < busy_below or waited >= max_wait:
+            return {"waited_s": round(waited, 1), "busy_percent": round(busy, 1), "quiet": busy < busy_below}
+
+
+def parameter_arrays(model, dtype: Optional[str] = None) -> list:
+    """The model's parameters (each object once) as contiguous host arrays, optionally cast
+    (``bfloat16`` as its uint16 bits, as Paddle rounds): the bytes a raw writer writes."""
+    import numpy as np
+
+    seen, arrays = set(), []
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if dtype is not None and str(p.dtype).endswith("float32"):
+            import paddle
+
+            q = p.detach().astype(dtype)
+            arrays.append(np.ascontiguousarray((q.view(paddle.uint16) if dtype == "bfloat16" else q).numpy()))
+        else:
+            arrays.append(np.ascontiguousarray(p.numpy()))
+    return arrays
+
+
 def median(xs: List[float]) -> float:
     return float(statistics.median(xs))
 

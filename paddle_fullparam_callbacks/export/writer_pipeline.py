@@ -113,7 +113,7 @@ class Pipeline:
 
     The prepare thread takes pieces in order, copies a strided one into its buffer and hashes
     it while it is still in cache; the write thread takes them in the same order and
-    ``pwrite``\ s each once its bytes are there (a contiguous piece at once). On two cores the
+    writes each (``pwrite``) once its bytes are there (a contiguous piece at once). On two cores the
     two run side by side: copies and hash on one, the page-cache copy inside ``pwrite`` on the
     other. (Writes to one file do not gain from more threads: the kernel holds the file's lock
     for each write, and the waiters spin on it.) A third, mostly idle, thread starts early

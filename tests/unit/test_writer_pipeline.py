@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -27,9 +26,8 @@ def writer_threads():
 def no_threads_left_behind():
     before = set(writer_threads())
     yield
-    deadline = time.monotonic() + 5
-    while set(writer_threads()) - before and time.monotonic() < deadline:
-        time.sleep(0.01)
+    for t in set(writer_threads()) - before:
+        t.join(5)
     assert not set(writer_threads()) - before, "a writer thread outlived its writer"
 
 
@@ -98,16 +96,16 @@ def test_block_pool_bounds_buffers_and_wakes_on_stop():
     got = []
     t = threading.Thread(target=lambda: got.append(pool.get(64)))
     t.start()
-    time.sleep(0.05)
-    assert not got  # two buffers out: the third waits
+    t.join(0.05)
+    assert t.is_alive() and not got  # two buffers out: the third waits
     give_a()
     t.join(5)
     assert got and got[0][0] is a  # reused, not a new one
     big = []
     t = threading.Thread(target=lambda: big.append(pool.get(1000)))
     t.start()
-    time.sleep(0.05)
-    assert not big  # a buffer larger than the pool's waits until it is the only one out
+    t.join(0.05)
+    assert t.is_alive() and not big  # a buffer larger than the pool's waits until it is the only one out
     give_b()
     got[0][1]()
     t.join(5)
@@ -125,7 +123,8 @@ def test_block_pool_bounds_buffers_and_wakes_on_stop():
 
     t = threading.Thread(target=blocked)
     t.start()
-    time.sleep(0.05)
+    t.join(0.05)
+    assert t.is_alive()
     stop.set()
     pool.wake()
     t.join(5)
@@ -294,7 +293,7 @@ def test_abort_unblocks_a_producer_and_a_writer_waiting_for_buffers(tmp_path, sm
     producer = threading.Thread(target=produce, daemon=True)
     producer.start()
     assert entered.wait(5)
-    time.sleep(0.1)
+    producer.join(0.1)
     assert producer.is_alive()  # held back by the budget
     threading.Timer(0.2, gate.set).start()
     w.abort()
