@@ -162,6 +162,43 @@ def wait_quiet(max_wait: float = 60.0, busy_below: float = 15.0, window: float =
             return {"waited_s": round(waited, 1), "busy_percent": round(busy, 1), "quiet": busy < busy_below}
 
 
+class CpuShare:
+    """How much of the machine's CPU others used while a region ran (context manager).
+
+    ``foreign_fraction`` = (CPU seconds of the whole machine - this process's own, all threads)
+    / (wall seconds x CPUs). On a shared 2-core machine someone else's work lands in whichever
+    variant runs beside it; the benchmarks repeat a run that others disturbed. (Kernel threads
+    writing this process's pages back count as others; /proc/stat counts in 10 ms ticks.)
+    """
+
+    @staticmethod
+    def _machine_busy() -> float:
+        import psutil
+
+        t = psutil.cpu_times()  # guest time is inside user already; steal (the host's neighbours) counts
+        return sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+    @staticmethod
+    def _own() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    def __enter__(self) -> "CpuShare":
+        self._m0, self._o0, self._t0 = self._machine_busy(), self._own(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall = time.perf_counter() - self._t0
+        self.machine = self._machine_busy() - self._m0
+        self.own = self._own() - self._o0
+        self.foreign = max(0.0, self.machine - self.own)
+        self.foreign_fraction = self.foreign / max(1e-9, self.wall * (os.cpu_count() or 1))
+
+    def as_dict(self) -> dict:
+        return {"wall_s": round(self.wall, 4), "machine_cpu_s": round(self.machine, 3), "own_cpu_s": round(self.own, 3),
+                "foreign_fraction": round(self.foreign_fraction, 3)}
+
+
 def parameter_arrays(model, dtype: Optional[str] = None) -> list:
     """The model's parameters (each object once) as contiguous host arrays, optionally cast
     (``bfloat16`` as its uint16 bits, as Paddle rounds): the bytes a raw writer writes."""

@@ -23,7 +23,10 @@ per repetition, each started on every rank at a barrier, with ``os.sync()`` and 
   its files in ``ours``), plain ``f.write`` of the parameters' bytes, then ``os.fsync`` per file.
 
 Aggregate GB/s of a repetition = bytes of all ranks / the slowest rank's seconds; reported as
-medians over repetitions, with ``ratio_vs_raw`` = raw aggregate s / ours aggregate s. Each rank's
+medians over repetitions, with ``ratio_vs_raw`` = raw aggregate s / ours aggregate s (and the
+median of each repetition's paired ratio). Each repetition also records the share of the CPUs
+other processes used meanwhile (``foreign_cpu_fraction``: the machine's busy CPU seconds minus
+the four ranks' own, over wall x CPUs; kernel writeback of the ranks' pages counts as other). Each rank's
 ``WriterStats`` and session timings of ``ours`` are kept. Four ranks share 2 cores here, so both
 variants are CPU-bound in the tmpfs regime: the ratio says how much CPU ours spends per byte
 beside the raw copy, not how a cluster node would fare (see ``scaling_model`` in the JSON and the
@@ -126,16 +129,18 @@ def rank_main(args) -> None:
                 if rank == 0:
                     os.sync()
                 dist.barrier()
-                t0 = time.perf_counter()
-                if variant == "ours":
-                    step += 1
-                    info = session.export(source, step=step)
-                    written = sum(sizes)
-                else:
-                    written = _write_raw(raw_dir, rank, sizes, sources)
-                seconds = time.perf_counter() - t0
+                with C.CpuShare() as cpu:
+                    t0 = time.perf_counter()
+                    if variant == "ours":
+                        step += 1
+                        info = session.export(source, step=step)
+                        written = sum(sizes)
+                    else:
+                        written = _write_raw(raw_dir, rank, sizes, sources)
+                    seconds = time.perf_counter() - t0
                 if rep >= 0:
-                    entry["reps"].append({"rep": rep, "variant": variant, "seconds": round(seconds, 4), "bytes": written})
+                    entry["reps"].append({"rep": rep, "variant": variant, "seconds": round(seconds, 4), "bytes": written,
+                                          "machine_cpu_s": round(cpu.machine, 3), "own_cpu_s": round(cpu.own, 3)})
                     if variant == "ours":
                         entry["timings"].append({k: round(v, 4) for k, v in info.timings.items()})
                         entry["writer_stats"].append(writer_stats[-1] if writer_stats and mine else {})
@@ -296,10 +301,14 @@ def summarize(per_rank: dict, regimes, reps: int) -> dict:
         for variant in ("raw", "ours"):
             per_rep = []
             for rep in range(reps):
-                secs = {r: next(x["seconds"] for x in e["reps"] if x["rep"] == rep and x["variant"] == variant)
-                        for r, e in ranks.items()}
-                per_rep.append({"max_seconds": max(secs.values()), "per_rank_seconds": secs,
-                                "aggregate_gb_s": round(total / 1e9 / max(secs.values()), 3)})
+                rows = {r: next(x for x in e["reps"] if x["rep"] == rep and x["variant"] == variant) for r, e in ranks.items()}
+                secs = {r: x["seconds"] for r, x in rows.items()}
+                wall = max(secs.values())
+                # others' CPU while the ranks ran: the machine's busy CPU (rank 0's window) minus the ranks' own
+                foreign = max(0.0, rows[0]["machine_cpu_s"] - sum(x["own_cpu_s"] for x in rows.values()))
+                per_rep.append({"max_seconds": wall, "per_rank_seconds": secs,
+                                "aggregate_gb_s": round(total / 1e9 / wall, 3),
+                                "foreign_cpu_fraction": round(foreign / (wall * (os.cpu_count() or 1)), 3)})
             med = C.median([x["max_seconds"] for x in per_rep])
             per_rank_gbs = {r: round(C.median([ranks[r]["bytes"] / 1e9 / x["per_rank_seconds"][r] for x in per_rep]), 3)
                             for r in ranks}
@@ -309,6 +318,9 @@ def summarize(per_rank: dict, regimes, reps: int) -> dict:
         res["ratio_vs_raw"] = round(res["variants"]["raw"]["median_max_seconds"] / res["variants"]["ours"]["median_max_seconds"], 3)
         res["all_ratio_vs_raw"] = [round(a["max_seconds"] / b["max_seconds"], 3)
                                    for a, b in zip(res["variants"]["raw"]["reps"], res["variants"]["ours"]["reps"])]
+        res["median_paired_ratio_vs_raw"] = round(C.median(res["all_ratio_vs_raw"]), 3)
+        res["all_foreign_cpu_fraction"] = {v: [x["foreign_cpu_fraction"] for x in res["variants"][v]["reps"]]
+                                           for v in ("raw", "ours")}
         keys = sorted({k for e in ranks.values() for s in e["writer_stats"] for k in s})
         res["ours_writer_stats_median_over_reps"] = {
             r: {k: round(C.median([s.get(k, 0) for s in e["writer_stats"]]), 4) for k in keys} for r, e in ranks.items()}
@@ -366,7 +378,8 @@ def main(argv=None) -> int:
     for regime, r in regimes_out.items():
         v = r["variants"]
         print(f"[{regime}] {r['bytes_total'] / 1e9:.3f} GB over {NPROC} ranks: raw {v['raw']['aggregate_gb_s']} GB/s, "
-              f"ours {v['ours']['aggregate_gb_s']} GB/s, ratio_vs_raw {r['ratio_vs_raw']} (per rep {r['all_ratio_vs_raw']})")
+              f"ours {v['ours']['aggregate_gb_s']} GB/s, ratio_vs_raw {r['ratio_vs_raw']} (per rep {r['all_ratio_vs_raw']}; "
+              f"others' CPU share {r['all_foreign_cpu_fraction']})")
     print_scaling_model(out["scaling_model"])
     print(f"wrote {args.result}")
     return 0

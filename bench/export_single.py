@@ -30,6 +30,11 @@ turn, after waiting for the CPUs to be idle):
 * ``paddleformers`` (disk regime only): ``model.save_pretrained(dir, save_checkpoint_format=
   "flex_checkpoint", max_shard_size="5GB")`` then ``os.sync()``.
 
+A child also measures how much of the CPUs other processes used during its timed region
+(``CpuShare``); a run where they used more than 20% is repeated (up to 3 tries, the least
+disturbed is kept; all recorded under ``disturbance``). Ratios are given both as the ratio of the
+medians and as the median of each repetition's paired ratio.
+
 Inside a child, freed heap memory is returned to the OS (``malloc_trim``) and the RSS baseline is
 read right before the timed region; the RSS is sampled every 2 ms during it: "peak extra RSS" =
 peak - baseline, as a fraction of the model's parameter bytes (float32). For ``ours`` the child
@@ -66,6 +71,8 @@ PADDLEFORMERS_CALL = (
     'model.save_pretrained(out_dir, save_checkpoint_format="flex_checkpoint", max_shard_size="5GB"); os.sync()'
 )
 TARGETS = {"ratio_vs_raw": ">= 0.85", "peak_extra_rss_fraction.ours": "<= 0.1"}
+DISTURBED = 0.2  # others used more than this share of the CPUs during a run: it is repeated
+RETRIES = 3
 RESULT_PATH = C.RESULTS_DIR / "export_single.json"
 
 
@@ -79,7 +86,7 @@ def _timed(fn, profile_path):
         prof = cProfile.Profile()
     gc.collect()
     C.trim_heap()
-    with C.RssSampler(0.002) as sampler:
+    with C.RssSampler(0.002) as sampler, C.CpuShare() as cpu:
         t0 = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -89,6 +96,7 @@ def _timed(fn, profile_path):
         seconds = time.perf_counter() - t0
     if prof is not None:
         prof.dump_stats(profile_path)
+    sampler.cpu = cpu.as_dict()
     return seconds, sampler, value
 
 
@@ -159,6 +167,7 @@ def child(variant: str, out: Path, profile_path=None) -> dict:
 
     result.update(
         seconds=seconds,
+        cpu=s.cpu,
         rss_baseline=s.baseline,
         rss_peak=s.peak,
         peak_extra_rss=s.extra,
@@ -287,18 +296,29 @@ def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float) 
         for regime, v in plan:
             tmp = Path(tempfile.mkdtemp(prefix=f"pfc-bench-{v}-", dir=REGIMES[regime]))
             os.sync()  # the next variant starts with no dirty pages of the last one
-            q = C.wait_quiet(quiet_wait)
-            quiet.append(q)
-            try:
-                r = C.run_child([__file__, "--variant", v, "--out", str(tmp / "out")])
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            r["quiet"] = q
+            tries = []
+            for _ in range(RETRIES):  # a run others disturbed (CpuShare) is repeated
+                q = C.wait_quiet(quiet_wait)
+                quiet.append(q)
+                try:
+                    r = C.run_child([__file__, "--variant", v, "--out", str(tmp / "out")])
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    tmp.mkdir()
+                    os.sync()
+                r["quiet"] = q
+                tries.append(r)
+                if r["cpu"]["foreign_fraction"] <= DISTURBED:
+                    break
+            shutil.rmtree(tmp, ignore_errors=True)
+            r = min(tries, key=lambda x: x["cpu"]["foreign_fraction"])
+            r["disturbed_tries"] = [t["cpu"]["foreign_fraction"] for t in tries if t is not r]
             runs[(regime, v)].append(r)
             print(f"rep {rep + 1}/{reps} {regime:>5} {v:>13}: {r['seconds']:6.3f} s "
                   f"({r['snapshot_bytes'] / 1e9 / r['seconds']:5.2f} GB/s), peak extra RSS "
                   f"{r['peak_extra_rss'] / 2**20:7.1f} MiB ({r['peak_extra_rss_fraction']:.3f} x model)"
-                  f"{'' if q['quiet'] else '  [machine busy: ' + str(q['busy_percent']) + '%]'}", flush=True)
+                  f", others used {r['cpu']['foreign_fraction']:.0%} of the CPUs"
+                  f"{' (after ' + str(len(tries) - 1) + ' disturbed tries)' if len(tries) > 1 else ''}", flush=True)
 
     model_bytes = next(iter(runs.values()))[0]["model_bytes"]
     out = {
@@ -331,6 +351,7 @@ def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float) 
             res["ratio_vs_raw"] = round(sec["raw"] / sec["ours"], 3)
             # the same ratio per repetition (raw and ours of one repetition ran minutes apart at most)
             res["all_ratio_vs_raw"] = [round(a["seconds"] / b["seconds"], 3) for a, b in zip(rr["raw"], rr["ours"])]
+            res["median_paired_ratio_vs_raw"] = round(C.median(res["all_ratio_vs_raw"]), 3)
             met[f"ratio_vs_raw.{regime}"] = res["ratio_vs_raw"] >= 0.85
         if "ours_bf16" in sec and "raw_bf16" in sec:
             res["bf16_ratio_vs_raw_bf16"] = round(sec["raw_bf16"] / sec["ours_bf16"], 3)
@@ -348,6 +369,13 @@ def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float) 
     out["targets"] = TARGETS
     out["met"] = met
     out["quiet_checks"] = {"busy_runs": sum(not q["quiet"] for q in quiet), "max_waited_s": max(q["waited_s"] for q in quiet)}
+    out["disturbance"] = {
+        "rule": f"a run during which other processes used more than {DISTURBED:.0%} of the CPUs is repeated "
+                f"(at most {RETRIES} tries; the least disturbed one is kept)",
+        "repeated_runs": sum(len(r["disturbed_tries"]) for rs in runs.values() for r in rs),
+        "kept_runs_over_limit": sum(r["cpu"]["foreign_fraction"] > DISTURBED for rs in runs.values() for r in rs),
+        "foreign_fraction_of_kept_runs": {f"{g}.{v}": [r["cpu"]["foreign_fraction"] for r in rs] for (g, v), rs in runs.items()},
+    }
     out["child_build_seconds_median"] = C.median([r["build_seconds"] for rs in runs.values() for r in rs])
     out["machine"] = C.machine_info()
     out["package_commit"] = C.git_commit()
