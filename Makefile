@@ -52,7 +52,8 @@ test-paddlenlp:
 
 bench:
 	@PY=$$($(ENV) paddleformers); \
-	$$PY bench/export_single.py && $$PY bench/assembler.py && $$PY bench/async_stall.py
+	$$PY bench/export_single.py && $$PY bench/export_ranks.py && $$PY bench/convert.py && $$PY bench/assembler.py && \
+	$$PY bench/async_stall.py
 
 faults:
 	@PY=$$($(ENV) paddleformers); \
