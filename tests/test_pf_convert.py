@@ -94,6 +94,7 @@ def test_the_cli_converts_with_several_workers(jobs, tmp_path):
     manifest = json.loads((out / "hf-step-000002" / "fullparam_manifest.json").read_text())
     writers = manifest["topology"]["writers"]
     assert sorted(writers) == ["0", "1"] and all(writers.values()), writers  # both workers wrote files
+    assert sorted(p.name for p in out.iterdir()) == ["hf-step-000002", "latest"]  # no lock or progress files left
     assert_same_snapshot(out / "hf-step-000002", base / SNAPSHOT)
 
 

@@ -55,7 +55,22 @@ class Watchdog:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop watching and remove this rank's progress file; the last rank to close removes the
+        (then empty) progress directory, so a finished job leaves nothing of it behind."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        if self.progress_dir is None:
+            return
+        for name in (f"rank-{self.rank}", f".rank-{self.rank}.tmp"):
+            try:
+                (self.progress_dir / name).unlink()
+            except OSError:
+                pass
+        try:
+            self.progress_dir.rmdir()
+        except OSError:
+            pass  # other ranks' files are still there (they remove it), or it is gone already
 
     # ---- what the ranks do -------------------------------------------------------------
     @contextmanager

@@ -45,5 +45,20 @@ def test_progress_inside_a_phase_and_nested_exchanges_keep_it_alive(tmp_path):
             with wd.waiting("assembly: replica digests", [0, 1]):
                 pass  # a nested exchange returns to the outer phase, clock restarted
     assert not fired.wait(0.7) and codes == []  # outside any collective nothing is watched
-    wd.close()
     assert json.loads((tmp_path / "rank-0").read_text())["what"] == "assembly: replica digests"
+    wd.close()
+
+
+def test_closing_removes_each_ranks_progress_file_and_the_last_removes_the_directory(tmp_path):
+    progress = tmp_path / ".fullparam-progress"
+    progress.mkdir()
+    dogs = [Watchdog(5, r, [0, 1], progress, exit_fn=lambda code: None) for r in (0, 1)]
+    for wd in dogs:
+        with wd.waiting("status exchange"):
+            pass
+    assert sorted(p.name for p in progress.iterdir()) == ["rank-0", "rank-1"]
+    (tmp_path / "keep.txt").write_text("not the watchdog's")
+    dogs[0].close()
+    assert sorted(p.name for p in progress.iterdir()) == ["rank-1"]  # rank 1 still runs: its file stays
+    dogs[1].close()
+    assert not progress.exists() and (tmp_path / "keep.txt").exists()
