@@ -20,9 +20,6 @@ JOB = ROOT / "tests" / "multirank" / "convert_job.py"
 SNAPSHOT = "snaps/hf-step-000002"
 CHECKPOINT = "trainer/checkpoint-2"
 UNIFIED = "uc/checkpoint-2"
-# the Trainer switches use_cache off in the live model's config while it trains (the callback's
-# config.json records that); a converted snapshot has the model config's own value
-TRAINING_ONLY_CONFIG = {"use_cache"}
 
 
 def run_job(framework: str, mode: str, out: Path, *flags: str) -> None:
@@ -57,8 +54,7 @@ def assert_same_snapshot(converted: Path, reference: Path) -> None:
     assert sorted(p.name for p in converted.iterdir()) == sorted(p.name for p in reference.iterdir())
     assert (converted / "model.safetensors.index.json").read_text() == (reference / "model.safetensors.index.json").read_text()
     a, b = (json.loads((d / "config.json").read_text()) for d in (converted, reference))
-    diff = {k for k in set(a) | set(b) if a.get(k) != b.get(k)} - TRAINING_ONLY_CONFIG
-    assert not diff, {k: (a.get(k), b.get(k)) for k in diff}
+    assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
     manifest = json.loads((converted / "fullparam_manifest.json").read_text())
     assert manifest["reason"] == "convert" and manifest["step"] == 2
     assert manifest["model"]["converted_from"]["step"] == 2

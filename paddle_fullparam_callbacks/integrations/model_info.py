@@ -31,8 +31,11 @@ def framework_of(model) -> str:
     return root if root in ("paddleformers", "paddlenlp") else "paddle"
 
 
-# runtime switches of the Paddle config that would change what an HF model returns
-_RUNTIME_KEYS = ("return_dict", "output_hidden_states", "output_attentions", "torchscript")
+# runtime switches of the Paddle config that would change what an HF model returns or how it runs;
+# use_cache among them: the PaddleFormers Trainer sets it on the live config from
+# TrainingArguments.use_cache (default False) while it trains, and a snapshot is for inference
+# (left out, the loading class's default applies: the KV cache on)
+_RUNTIME_KEYS = ("return_dict", "output_hidden_states", "output_attentions", "torchscript", "use_cache")
 # generation settings belong in generation_config.json, not config.json (transformers >= 4.41 warns)
 _GENERATION_KEYS = (
     "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
