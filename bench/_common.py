@@ -298,3 +298,20 @@ def profile_top(stats, key: str, n: int, digits: int = 3) -> list:
         rows.append({"function": f"{Path(func[0]).name}:{func[1]}({func[2]})", "ncalls": nc,
                      "tottime": round(tt, digits), "cumtime": round(ct, digits)})
     return rows
+
+
+def record_writer_stats() -> list:
+    """From now on every ``SnapshotWriter.close`` appends the writer's ``stats.snapshot()`` to the
+    returned list (the per-thread breakdown of each export, for the benchmark's report)."""
+    from paddle_fullparam_callbacks.export.safetensors_io import SnapshotWriter
+
+    recorded: list = []
+    real_close = SnapshotWriter.close
+
+    def close(self):
+        files = real_close(self)
+        recorded.append(self.stats.snapshot())
+        return files
+
+    SnapshotWriter.close = close
+    return recorded

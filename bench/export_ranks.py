@@ -90,19 +90,10 @@ def rank_main(args) -> None:
     model = C.build_llama(seed=0)
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
-    from paddle_fullparam_callbacks.export.safetensors_io import SnapshotWriter
     from paddle_fullparam_callbacks.integrations.model_info import build_model_source
     from paddle_fullparam_callbacks.integrations.topology import build_context
 
-    writer_stats = []
-    real_close = SnapshotWriter.close
-
-    def close(self):
-        files = real_close(self)
-        writer_stats.append(self.stats.snapshot())
-        return files
-
-    SnapshotWriter.close = close
+    writer_stats = C.record_writer_stats()
     ctx = build_context(None)
     sources = _raw_sources(model)
     report = {"rank": rank, "dp": hcg.get_data_parallel_world_size(), "regimes": {}}

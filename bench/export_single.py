@@ -122,18 +122,9 @@ def child(variant: str, out: Path, profile_path=None) -> dict:
     if variant in ("ours", "ours_bf16"):
         from paddle_fullparam_callbacks.config import load_config
         from paddle_fullparam_callbacks.export import ExportSession
-        from paddle_fullparam_callbacks.export.safetensors_io import SnapshotWriter
         from paddle_fullparam_callbacks.integrations.model_info import build_model_source
 
-        writer_stats = []
-        real_close = SnapshotWriter.close
-
-        def close(self):
-            files = real_close(self)
-            writer_stats.append(self.stats.snapshot())
-            return files
-
-        SnapshotWriter.close = close
+        writer_stats = C.record_writer_stats()
         dtype = "bfloat16" if variant == "ours_bf16" else "keep"
         cfg = load_config(None, [f"output_dir={out}", "export.max_shard_size=5GB", f"export.dtype={dtype}"])
         session = ExportSession(cfg, cfg.output_dir)
