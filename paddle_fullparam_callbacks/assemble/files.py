@@ -10,7 +10,6 @@ bits as the callback's export of the same weights.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Iterable, Iterator, Optional, Tuple
 
 import numpy as np
@@ -61,12 +60,12 @@ class FileAssembler:
     """Destinations of ``dmap`` from ``tensors`` (see ``export.source.TensorSource``).
 
     A destination that is one stored region comes out as a read-only view of the files (transposed
-    as a view); the writer copies what it needs. ``room(nbytes)``: called before each destination is
+    as a view); the writer copies what it needs. ``room(name)``: called before each destination is
     read, to wait until the writer can take it, so that the tensor in hand and the tensors waiting
     to be written are never both large."""
 
     def __init__(self, tensors, dmap: DestinationMap, export_dtype: str = "keep",
-                 room: Optional[Callable[[int], None]] = None):
+                 room: Optional[Callable[[str], None]] = None):
         self.tensors = tensors
         self.dmap = dmap
         self.export_dtype = export_dtype
@@ -92,15 +91,10 @@ class FileAssembler:
             del piece
         return out, spec.dtype
 
-    def _nbytes(self, name: str) -> int:
-        spec = self.dmap.spec_by_name[name]
-        dtype = spec.dtype if self.export_dtype == "keep" else self.export_dtype
-        return math.prod(spec.shape) * _dtypes.lookup(dtype).itemsize
-
     def run(self, names: Iterable[str]) -> Iterator[Tuple[str, np.ndarray]]:
         for name in names:
             if self.room is not None:
-                self.room(self._nbytes(name))
+                self.room(name)
             arr, dtype = self.assemble(name)
             if self.export_dtype != "keep":
                 arr = cast_array(arr, dtype, self.export_dtype)

@@ -29,6 +29,10 @@ class Exporter:
         """``zero_row``: a row (first axis) exported as zeros (an embedding's padding row)."""
         raise NotImplementedError
 
+    def wait_for_room(self, nbytes: int) -> None:
+        """Block until a tensor of ``nbytes`` can be written without waiting: called before a producer
+        that reads tensors on demand (``convert``) reads the next one. Nothing to wait for by default."""
+
     def finish(self) -> Dict[str, FileResult]:
         raise NotImplementedError
 
@@ -52,10 +56,7 @@ class SafetensorsExporter(Exporter):
         )
 
     def wait_for_room(self, nbytes: int) -> None:
-        """Block until the writer could take ``nbytes`` more without passing its budget (or is idle)."""
-        wait = getattr(self.writer, "wait_for_room", None)
-        if wait is not None:
-            wait(nbytes)
+        self.writer.wait_for_room(nbytes)  # until it could take nbytes more within its budget (or is idle)
 
     def write(self, name, tensor, zero_row=None):
         arr = to_host_array(tensor)

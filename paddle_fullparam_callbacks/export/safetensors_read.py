@@ -91,8 +91,11 @@ def _entry(fname: str, name: str, e, extra_codes=None) -> HeaderEntry:
     if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
         raise SafetensorsFormatError(f"{where} has a malformed header entry {short(e)}")
     code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
-    itemsizes = {c: row.itemsize for c, row in _dtypes.BY_ST_CODE.items()} | dict(extra_codes or {})
-    if not isinstance(code, str) or code not in itemsizes:
+    itemsize = None
+    if isinstance(code, str):
+        row = _dtypes.BY_ST_CODE.get(code)
+        itemsize = row.itemsize if row is not None else (extra_codes or {}).get(code)
+    if itemsize is None:
         raise SafetensorsFormatError(f"{where} has unknown dtype {short(code)}")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise SafetensorsFormatError(f"{where} has invalid shape {short(shape)}")
@@ -100,7 +103,7 @@ def _entry(fname: str, name: str, e, extra_codes=None) -> HeaderEntry:
             and offsets[0] <= offsets[1]):
         raise SafetensorsFormatError(f"{where} has invalid offsets {short(offsets)}")
     begin, end = offsets
-    expected = math.prod(shape) * itemsizes[code]
+    expected = math.prod(shape) * itemsize
     if end - begin != expected:
         raise SafetensorsFormatError(
             f"{where} spans {end - begin} bytes, its shape {list(shape)} of {code} needs {expected}")

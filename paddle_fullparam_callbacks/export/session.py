@@ -232,8 +232,8 @@ class ExportSession:
         try:
             job.exporter.begin(p.plan, job.staging, job.step, my_files)
             with ctx.waiting("assembly", ctx.mesh_ranks):  # export.timeout_s: no tensor for that long ends the job
-                room = getattr(job.exporter, "wait_for_room", None)
-                for tname, tensor in stream_tensors(ctx, self.config, sd, p, job.source, targets, keep, room):
+                for tname, tensor in stream_tensors(ctx, self.config, sd, p, job.source, targets, keep,
+                                                    job.exporter.wait_for_room):
                     beat()
                     if job.error is None:
                         try:

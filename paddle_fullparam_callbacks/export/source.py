@@ -20,15 +20,14 @@ class TensorSource(Protocol):
 
     ``records()`` lists every stored slice (``assemble.mesh.ShardRecord``: key, global offset,
     shape, global shape, Paddle dtype name; ``rank`` is the writer of the file that holds it);
-    ``read(key, offset, shape, copy=False)`` returns that region as a numpy array (bfloat16 as
-    uint16 bits), read lazily: a read-only view of the files where it can be, a new array of its
-    own with ``copy``. ``describe()`` says what it is, for the manifest.
+    ``read(key, offset, shape)`` returns that region as a numpy array (bfloat16 as uint16 bits),
+    read lazily: a read-only view of the files where it can be. ``describe()`` says what it is, for the manifest.
     """
 
     def records(self) -> List[Any]:
         ...
 
-    def read(self, key: str, offset: Sequence[int], shape: Sequence[int], copy: bool = False):
+    def read(self, key: str, offset: Sequence[int], shape: Sequence[int]):
         ...
 
     def describe(self) -> Dict[str, Any]:

@@ -27,7 +27,8 @@ def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: 
     if source.tensors is not None:  # slices in files (convert): read and assembled here, no communication
         from ..assemble.files import FileAssembler
 
-        asm = FileAssembler(source.tensors, p.dmap, config.export.dtype, room=room)
+        wait = None if room is None else (lambda name: room(p.plan.slots[name].nbytes))
+        asm = FileAssembler(source.tensors, p.dmap, config.export.dtype, room=wait)
         yield from asm.run([n for n in targets if n in keep])
         return
     if config.assembler == "paddle":

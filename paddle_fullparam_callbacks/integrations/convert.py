@@ -26,10 +26,8 @@ from .. import _dtypes
 from ..config.recipes import coerce_config
 from ..config.schema import FullParamConfig
 from ..export.source import ModelSource, SnapshotInfo
-from .checkpoints import Checkpoint, CheckpointError, open_checkpoint
-from .checkpoints._flex import MODEL_STATE, metadata_files
-from .checkpoints._pdparams import pdparams_files
-from .checkpoints._trainer_files import framework_of, read_json, read_training_args
+from .checkpoints import Checkpoint, CheckpointError, detect, open_checkpoint
+from .checkpoints._trainer_files import read_json
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 
@@ -55,26 +53,6 @@ def load_model_config(checkpoint: Path, config: "str | os.PathLike | dict | None
             f"{checkpoint}: holds no config.json (PaddleFormers' flex checkpoints never do): give the model's config "
             "with --config (the config.json of the model the job started from, or of its output directory)")
     return own
-
-
-def _guess_framework(checkpoint: Path, cfg: dict) -> str:
-    """Which trainer wrote the checkpoint: its layout, else a version key of its own or the given config,
-    else its training_args.bin, else the one framework installed."""
-    if metadata_files(checkpoint / MODEL_STATE):
-        return "paddleformers"  # flex checkpoints exist only in PaddleFormers
-    if pdparams_files(checkpoint):
-        return "paddlenlp"
-    args = read_training_args(checkpoint)
-    found = framework_of(read_json(checkpoint / "config.json"), args) or framework_of(cfg, args)
-    if found:
-        return found
-    import importlib.util
-
-    installed = [f for f in ("paddleformers", "paddlenlp") if importlib.util.find_spec(f) is not None]
-    if len(installed) == 1:
-        return installed[0]
-    raise ConvertError(f"{checkpoint}: cannot tell whether PaddleFormers or PaddleNLP wrote it (no paddleformers_version / "
-                       "paddlenlp_version in config.json, no training_args.bin); add the key to the config")
 
 
 def model_class(framework: str, cfg: dict):
@@ -151,8 +129,8 @@ class CheckpointTensors:
     def records(self) -> List:
         return list(self._records)
 
-    def read(self, key: str, offset: Sequence[int], shape: Sequence[int], copy: bool = False):
-        return self.ckpt.read(key, offset, shape, copy=copy)
+    def read(self, key: str, offset: Sequence[int], shape: Sequence[int]):
+        return self.ckpt.read(key, offset, shape)
 
     def describe(self) -> dict:
         c = self.ckpt
@@ -192,11 +170,9 @@ def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
     if not path.is_dir():
         raise ConvertError(f"{path}: not a directory (give a trainer checkpoint directory, e.g. output/checkpoint-500)")
     cfg = load_model_config(path, model_config)
-    framework = _guess_framework(path, cfg)
+    _, framework = detect(path)
     cls = model_class(framework, cfg)
     ckpt = open_checkpoint(path, config=cfg, model_class=cls)
-    if ckpt.framework != framework:
-        cls = model_class(ckpt.framework, cfg)
     if ckpt.layout == "hf-safetensors":
         raise ConvertError(
             f"{path}: already holds Hugging Face names and layout (PaddleFormers' unified_checkpoint / sharding_io "

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 from ._base import Checkpoint, CheckpointError, FileSlice, TensorInfo, check_tiling
 from ._flex import MODEL_STATE, metadata_files, open_flex
@@ -37,7 +37,7 @@ from ._pdparams import open_pdparams, pdparams_files
 from ._safetensors import model_safetensors, open_safetensors
 from ._trainer_files import framework_of, parallel_degrees, read_json, read_step, read_training_args, tokenizer_files
 
-__all__ = ["Checkpoint", "CheckpointError", "FileSlice", "TensorInfo", "open_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointError", "FileSlice", "TensorInfo", "detect", "open_checkpoint"]
 
 _EXPECTED = "expected model_state/*.metadata, model_state*.pdparams or model*.safetensors"
 
@@ -65,7 +65,24 @@ def open_checkpoint(path: "str | os.PathLike", config: Optional[dict] = None, mo
         raise CheckpointError(f"{e.filename or path}: cannot be read: {e.strerror or e}") from e
 
 
-def _open(path: Path, config: Optional[dict], model_class) -> Checkpoint:
+def detect(path: "str | os.PathLike") -> Tuple[str, str]:
+    """``(layout, framework)`` of checkpoint directory ``path`` from its files alone (no tensor read):
+    which weights format it holds, and which trainer wrote it (needed before :func:`open_checkpoint`
+    to pick the model class whose merge rules a tensor-parallel ``.pdparams`` checkpoint needs).
+
+    Raises:
+        CheckpointError: not a checkpoint directory, weights in several formats, or safetensors that
+            neither config.json nor training_args.bin attribute to a trainer.
+    """
+    path = Path(path).expanduser()
+    try:
+        return _detect(path)[:2]
+    except OSError as e:
+        raise CheckpointError(f"{e.filename or path}: cannot be read: {e.strerror or e}") from e
+
+
+def _detect(path: Path) -> Tuple[str, str, Optional[dict], dict]:
+    """(layout, framework, config.json or None, training_args.bin's fields)"""
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory (a trainer checkpoint is a checkpoint-N directory)")
     found = {"model_state/*.metadata (flex)": metadata_files(path / MODEL_STATE),
@@ -79,21 +96,27 @@ def _open(path: Path, config: Optional[dict], model_class) -> Checkpoint:
     if len(kinds) > 1:
         raise CheckpointError(f"{path}: holds model weights in several formats ({', '.join(kinds)}); "
                               "remove the ones that do not belong to this checkpoint")
-    own_config = read_json(path / "config.json")
-    cfg = own_config if own_config is not None else config
-    args = read_training_args(path)
-    parallel = parallel_degrees(args, own_config)
+    own_config, args = read_json(path / "config.json"), read_training_args(path)
     if found["model_state/*.metadata (flex)"]:
-        framework, layout, tensors = "paddleformers", "flex", open_flex(path)
-    elif found["model_state*.pdparams"]:
-        framework = framework_of(own_config, args) or "paddlenlp"
-        layout, tensors = "pdparams", open_pdparams(path, cfg, model_class, parallel)
+        return "flex", "paddleformers", own_config, args  # flex checkpoints exist only in PaddleFormers
+    framework = framework_of(own_config, args)
+    if found["model_state*.pdparams"]:
+        return "pdparams", framework or "paddlenlp", own_config, args
+    if framework is None:
+        raise CheckpointError(f"{path}: cannot tell which trainer wrote model*.safetensors: config.json has no "
+                              "paddleformers_version / paddlenlp_version and training_args.bin names neither")
+    return ("hf-safetensors" if framework == "paddleformers" else "unified-safetensors"), framework, own_config, args
+
+
+def _open(path: Path, config: Optional[dict], model_class) -> Checkpoint:
+    layout, framework, own_config, args = _detect(path)
+    cfg = own_config if own_config is not None else config
+    parallel = parallel_degrees(args, own_config)
+    if layout == "flex":
+        tensors = open_flex(path)
+    elif layout == "pdparams":
+        tensors = open_pdparams(path, cfg, model_class, parallel)
     else:
-        framework = framework_of(own_config, args)
-        if framework is None:
-            raise CheckpointError(f"{path}: cannot tell which trainer wrote model*.safetensors: config.json has no "
-                                  "paddleformers_version / paddlenlp_version and training_args.bin names neither")
-        layout = "hf-safetensors" if framework == "paddleformers" else "unified-safetensors"
         tensors = open_safetensors(path, cfg)
     if not tensors:
         raise CheckpointError(f"{path}: its {layout} index lists no model tensors")
