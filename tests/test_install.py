@@ -7,7 +7,8 @@
   ``"<wheel>[cpu,paddleformers]"`` (made once per hash of the wheel's requirements, see
   tests/install/wheel_env.py); from a folder outside the checkout, with nothing on PYTHONPATH:
   ``paddle-fullparam recipes``, the PaddleFormers Trainer import, ``from_recipe``,
-  ``paddle-fullparam demo --steps 20`` and ``paddle-fullparam verify`` of every snapshot it made.
+  ``paddle-fullparam demo --steps 20``, ``paddle-fullparam verify`` of every snapshot it made, and
+  ``paddle-fullparam convert`` of the demo trainer's checkpoint-20 (the demo's own snapshot, file for file).
 * Without ``[cpu]`` (a GPU cluster that installed paddlepaddle-gpu first), ``[paddleformers]`` and
   ``[paddlenlp]`` do not pull the CPU ``paddlepaddle`` wheel.
 * Two copies of the checkout run their tests through their own Makefile at the same time on the same
@@ -143,6 +144,19 @@ def test_wheel_installed_outside_the_checkout(installed, tmp_path):
     for snap in snapshots:
         proc = W.run([cli, "verify", "--json", snap], cwd=run, env=env, check=False)
         assert proc.returncode == 0 and json.loads(proc.stdout)["ok"], proc.stdout + proc.stderr
+
+    # convert the demo trainer's own checkpoint (flex: no config.json in it) with the installed command
+    model_config = run / "model_config.json"
+    W.run([py, "-c", "import json, sys; from paddle_fullparam_callbacks.cli.demo import TINY_LLAMA; "
+           "json.dump(dict(TINY_LLAMA, fuse_rms_norm=False, architectures=['LlamaForCausalLM']), open(sys.argv[1], 'w'))",
+           model_config], cwd=run, env=env)
+    conv = W.run([cli, "convert", run / "demo_output" / "trainer" / "checkpoint-20", "--output-dir", run / "converted",
+                  "--config", model_config, "--recipe", "demo_tiny_llama"], cwd=run, env=env, check=False, timeout=600)
+    assert conv.returncode == 0, conv.stdout + conv.stderr
+    manifests = [json.loads((d / "fullparam_manifest.json").read_text())
+                 for d in (run / "converted" / "hf-step-000020", snapshots[-1])]
+    shards = [{n: f for n, f in m["files"].items() if n.endswith(".safetensors")} for m in manifests]
+    assert shards[0] and shards[0] == shards[1], shards  # the demo's own snapshot of step 20, file for file
     TIMINGS["run_s"] = round(time.perf_counter() - t0, 1)
     resolved = (deps / "resolved.txt").read_text()
     print(f"install test timings {TIMINGS}; resolved from the wheel's metadata: "
