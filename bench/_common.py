@@ -303,7 +303,7 @@ def profile_top(stats, key: str, n: int, digits: int = 3) -> list:
 def record_writer_stats() -> list:
     """From now on every ``SnapshotWriter.close`` appends the writer's ``stats.snapshot()`` to the
     returned list (the per-thread breakdown of each export, for the benchmark's report)."""
-    from paddle_fullparam_callbacks.export.safetensors_io import SnapshotWriter
+    from paddle_fullparam_callbacks.export.write.writer import SnapshotWriter
 
     recorded: list = []
     real_close = SnapshotWriter.close

@@ -135,7 +135,7 @@ def planner_child(reps: int) -> dict:
 
     from paddle_fullparam_callbacks.assemble.mapping import local_shard_info
     from paddle_fullparam_callbacks.config.recipes import load_config
-    from paddle_fullparam_callbacks.export.runner import ExportSession, ModelSource
+    from paddle_fullparam_callbacks.export import ExportSession, ModelSource
 
     t0 = time.perf_counter()
     names = moe_names()

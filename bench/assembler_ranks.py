@@ -198,7 +198,7 @@ def main():
     C.quiet_logs()
     paddle.set_device("cpu")
     hcg = harness.init_fleet(mp=2, pp=2)
-    from paddle_fullparam_callbacks.integrations.topology import build_context
+    from paddle_fullparam_callbacks.trainer.topology import build_context
 
     ctx = build_context()
     rank = dist.get_rank()

@@ -42,7 +42,7 @@ def child(variant: str, out: Path, exports: int, train_s: float, max_pending: st
     C.quiet_logs()
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
-    from paddle_fullparam_callbacks.integrations.model_info import build_model_source
+    from paddle_fullparam_callbacks.models.model_info import build_model_source
 
     model = C.build_llama(seed=0)
     model_bytes = C.parameter_bytes(model)
@@ -59,7 +59,7 @@ def child(variant: str, out: Path, exports: int, train_s: float, max_pending: st
     stalls, totals = [], []
     with C.RssSampler(interval=0.01) as sampler:
         _loop(session, source, exports, train_s, stalls, totals)
-    from paddle_fullparam_callbacks.export.verify import verify_snapshot
+    from paddle_fullparam_callbacks.export.verify.snapshot import verify_snapshot
 
     ok = all(verify_snapshot(out / f"hf-step-{s:06d}").ok for s in range(1, exports + 1))
     return {"variant": variant, "stalls": stalls, "export_seconds": totals, "verified": ok,

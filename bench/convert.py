@@ -106,7 +106,7 @@ def child(variant: str, root: Path, out: Path) -> dict:
     ckpt, config = root / "checkpoint-1", root / "config.json"
     result = {"variant": variant}
     if variant.startswith("convert"):
-        from paddle_fullparam_callbacks.integrations.convert import convert
+        from paddle_fullparam_callbacks.convert.convert import convert
 
         import paddleformers.transformers  # noqa: F401  (imported before the baseline, as in a user's process)
 

@@ -90,8 +90,8 @@ def rank_main(args) -> None:
     model = C.build_llama(seed=0)
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
-    from paddle_fullparam_callbacks.integrations.model_info import build_model_source
-    from paddle_fullparam_callbacks.integrations.topology import build_context
+    from paddle_fullparam_callbacks.models.model_info import build_model_source
+    from paddle_fullparam_callbacks.trainer.topology import build_context
 
     writer_stats = C.record_writer_stats()
     ctx = build_context(None)

@@ -122,7 +122,7 @@ def child(variant: str, out: Path, profile_path=None) -> dict:
     if variant in ("ours", "ours_bf16"):
         from paddle_fullparam_callbacks.config import load_config
         from paddle_fullparam_callbacks.export import ExportSession
-        from paddle_fullparam_callbacks.integrations.model_info import build_model_source
+        from paddle_fullparam_callbacks.models.model_info import build_model_source
 
         writer_stats = C.record_writer_stats()
         dtype = "bfloat16" if variant == "ours_bf16" else "keep"
@@ -176,7 +176,7 @@ def facts(out: Path) -> dict:
     import blake3
     import numpy as np
 
-    from paddle_fullparam_callbacks.export.writer_copy import copy_into
+    from paddle_fullparam_callbacks.export.write.copy import copy_into
 
     def gbs(nbytes, fn, reps=5):
         ts = []

@@ -6,10 +6,9 @@ Public surface: :class:`FullParamExportCallback`, :func:`attach`, the config typ
 """
 from ._version import __version__
 from .config import ConfigError, ExportConfig, FullParamConfig, RetentionConfig, TriggerConfig, load_config
+from .convert import convert
 from .export.verify import verify_snapshot
-from .integrations.attach import attach
-from .integrations.callback import FullParamExportCallback
-from .integrations.convert import convert
+from .trainer import FullParamExportCallback, attach
 
 __all__ = [
     "ConfigError", "ExportConfig", "FullParamConfig", "FullParamExportCallback", "RetentionConfig",

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from paddle_fullparam_callbacks.export.safetensors_io import read_header, read_tensor
+from paddle_fullparam_callbacks.export.write.header import read_header, read_tensor
 
 import json
 import subprocess

@@ -10,7 +10,7 @@ from paddle_fullparam_callbacks import ConfigError, FullParamExportCallback
 from paddle_fullparam_callbacks.cli.demo import TokenDataset, make_tiny_llama, make_trainer, trainer_args
 from paddle_fullparam_callbacks.config import load_config
 from paddle_fullparam_callbacks.export import ExportError, ExportSession
-from paddle_fullparam_callbacks.integrations.model_info import build_model_source
+from paddle_fullparam_callbacks.models.model_info import build_model_source
 
 from _helpers import listing
 

@@ -42,7 +42,7 @@ import harness  # noqa: E402
 
 from _helpers import run_cli, snapshot_tensors  # noqa: E402
 from paddle_fullparam_callbacks import verify_snapshot  # noqa: E402
-from paddle_fullparam_callbacks.export.safetensors_io import read_header  # noqa: E402
+from paddle_fullparam_callbacks.export.write.header import read_header  # noqa: E402
 
 pytestmark = [pytest.mark.paddleformers, pytest.mark.slow, pytest.mark.hf_client]
 

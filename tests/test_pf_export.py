@@ -14,7 +14,7 @@ import paddle  # noqa: E402
 from paddle_fullparam_callbacks.cli.demo import make_tiny_llama  # noqa: E402
 from paddle_fullparam_callbacks.config import ConfigError, load_config  # noqa: E402
 from paddle_fullparam_callbacks.export import ExportError, ExportSession, verify_snapshot  # noqa: E402
-from paddle_fullparam_callbacks.integrations.model_info import build_model_source  # noqa: E402
+from paddle_fullparam_callbacks.models.model_info import build_model_source  # noqa: E402
 
 from _helpers import (  # noqa: E402
     assert_bitwise_equal, listing, expected_hf_tensors, official_reader_tensors, paddle_logits, run_hf_client,
@@ -218,7 +218,7 @@ def test_coverage_check_names_the_destination(boxes, message):
 
 
 def test_failed_write_leaves_no_snapshot(tmp_path, monkeypatch):
-    from paddle_fullparam_callbacks.export import safetensors_io
+    from paddle_fullparam_callbacks.export.write import writer as safetensors_io
 
     model = make_tiny_llama(seed=2)
     calls = {"n": 0}
@@ -239,7 +239,7 @@ def test_failed_write_leaves_no_snapshot(tmp_path, monkeypatch):
 def test_host_arrays_share_parameter_memory():
     # Paddle refuses DLPack on tensors requiring grad; without detach() every parameter was copied
     # (the benchmark measured 0.39 x model bytes of extra RSS before this)
-    from paddle_fullparam_callbacks.export.host import to_host_array
+    from paddle_fullparam_callbacks.export.session.host import to_host_array
 
     model = make_tiny_llama(seed=1)
     p = model.lm_head.weight
@@ -263,7 +263,7 @@ def test_async_export_is_committed_at_interpreter_exit(tmp_path):
         from paddle_fullparam_callbacks.cli.demo import make_tiny_llama
         from paddle_fullparam_callbacks.config import load_config
         from paddle_fullparam_callbacks.export import ExportSession
-        from paddle_fullparam_callbacks.integrations.model_info import build_model_source
+        from paddle_fullparam_callbacks.models.model_info import build_model_source
         m = make_tiny_llama(seed=1)
         cfg = load_config(None, ["output_dir={tmp_path}", "export.async_write=true"])
         s = ExportSession(cfg, cfg.output_dir); s.start()

@@ -12,8 +12,8 @@ from paddle_fullparam_callbacks.assemble.mapping import MappingError, build_dest
 from paddle_fullparam_callbacks.cli.demo import make_tiny_llama
 from paddle_fullparam_callbacks.config import ConfigError, load_config
 from paddle_fullparam_callbacks.export import ExportError, ExportSession, verify_snapshot
-from paddle_fullparam_callbacks.integrations.mappings.resolve import _own_method, resolve_mapping
-from paddle_fullparam_callbacks.integrations.model_info import build_model_source
+from paddle_fullparam_callbacks.models.mappings.resolve import _own_method, resolve_mapping
+from paddle_fullparam_callbacks.models.model_info import build_model_source
 
 from _helpers import listing, paddle_logits, snapshot_tensors
 

@@ -15,8 +15,8 @@ from paddle_fullparam_callbacks import ConfigError, FullParamExportCallback, ver
 from paddle_fullparam_callbacks.cli.demo import make_tiny_llama, make_trainer, trainer_args
 from paddle_fullparam_callbacks.config import load_config
 from paddle_fullparam_callbacks.export import ExportSession
-from paddle_fullparam_callbacks.export.lock import LOCK, OutputDirLocked
-from paddle_fullparam_callbacks.integrations.model_info import build_model_source
+from paddle_fullparam_callbacks.export.commit.lock import LOCK, OutputDirLocked
+from paddle_fullparam_callbacks.models.model_info import build_model_source
 
 from _helpers import ROOT, listing
 

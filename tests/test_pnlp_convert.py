@@ -19,8 +19,8 @@ import pytest
 from _convert_cases import CHECKPOINT, SNAPSHOT, UNIFIED, assert_same_snapshot, run_job
 from _helpers import run_hf_client
 from paddle_fullparam_callbacks import verify_snapshot
-from paddle_fullparam_callbacks.integrations.checkpoints import CheckpointError
-from paddle_fullparam_callbacks.integrations.convert import convert
+from paddle_fullparam_callbacks.convert.checkpoints import CheckpointError
+from paddle_fullparam_callbacks.convert.convert import convert
 
 pytestmark = pytest.mark.paddlenlp
 

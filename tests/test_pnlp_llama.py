@@ -12,7 +12,7 @@ from paddle_fullparam_callbacks import FullParamExportCallback, verify_snapshot 
 from paddle_fullparam_callbacks.cli.demo import make_tiny_llama, make_trainer, trainer_args  # noqa: E402
 from paddle_fullparam_callbacks.config import load_config  # noqa: E402
 from paddle_fullparam_callbacks.export import ExportSession  # noqa: E402
-from paddle_fullparam_callbacks.integrations.model_info import build_model_source  # noqa: E402
+from paddle_fullparam_callbacks.models.model_info import build_model_source  # noqa: E402
 
 from _helpers import (  # noqa: E402
     assert_bitwise_equal, listing, expected_hf_tensors, paddle_logits, run_hf_client, snapshot_tensors,
@@ -116,7 +116,7 @@ def test_fused_layouts_under_tensor_parallelism_follow_paddlenlps_own_split(tp):
 
     from paddle_fullparam_callbacks.assemble.local import assemble_destination, slice_of
     from paddle_fullparam_callbacks.assemble.mapping import build_destination_map
-    from paddle_fullparam_callbacks.integrations.mappings import PRESETS, MappingContext
+    from paddle_fullparam_callbacks.models.mappings import PRESETS, MappingContext
 
     H, inter, heads, kv = 64, 128, 8, 4
     hd = H // heads

@@ -35,9 +35,7 @@ import pnlp_tp_job as job  # noqa: E402
 
 from _helpers import paddle_logits, run_hf_client, snapshot_tensors  # noqa: E402
 from paddle_fullparam_callbacks import verify_snapshot  # noqa: E402
-from paddle_fullparam_callbacks.integrations.shard_fixes import (  # noqa: E402
-    ShardLayoutError, fix_sharded_state_dict, framework_split_axes, resolve_shard,
-)
+from paddle_fullparam_callbacks.models.shard_fixes import ShardLayoutError, fix_sharded_state_dict, framework_split_axes, resolve_shard
 
 pytestmark = pytest.mark.paddlenlp
 

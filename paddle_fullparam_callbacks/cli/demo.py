@@ -170,10 +170,10 @@ def run_demo(output_dir: str = "demo_output", recipe: Optional[str] = "demo_tiny
     set and an evaluation every ``max(1, steps // 4)`` steps. Prints a table and returns the exit status
     (0: every snapshot verifies). ``steps`` < 1 raises :class:`ConfigError` (``--steps: ...``)."""
     steps = check_steps(steps)
-    from ..export.pointers import read_pointer
-    from ..export.verify import verify_snapshot
-    from ..integrations.attach import attach
-    from ..integrations.callback import FullParamExportCallback
+    from ..export.commit.pointers import read_pointer
+    from ..export.verify.snapshot import verify_snapshot
+    from ..trainer.attach import attach
+    from ..trainer.callback import FullParamExportCallback
 
     out = Path(output_dir).resolve()
     # the recipe and overrides are checked before anything is written or trained

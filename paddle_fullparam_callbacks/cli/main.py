@@ -34,7 +34,7 @@ def _count(minimum: int):
 def _cmd_verify(ns) -> int:
     """Exit 0 if everything verifies, 1 if anything is damaged (or verify itself failed), 2 for a
     usage error. With --json, exactly one JSON object on stdout, whatever happens."""
-    from ..export import verify_render as render
+    from ..export.verify import render
 
     def emit(obj: dict, lines) -> None:
         if ns.json:
@@ -51,7 +51,7 @@ def _cmd_verify(ns) -> int:
             print(json.dumps({"ok": False, "errors": [f"usage: {msg}"]}))
         return 2
     try:
-        from ..export.verify_tree import verify_path
+        from ..export.verify.tree import verify_path
 
         cache: dict = {}
         reports = [verify_path(d, check_hashes=not ns.no_hash, cache=cache) for d in ns.dirs]
@@ -114,8 +114,8 @@ def _cmd_convert(ns) -> int:
 
     from ..assemble.mapping import MappingError
     from ..export.source import ExportError
-    from ..integrations.checkpoints import CheckpointError
-    from ..integrations.convert import convert
+    from ..convert.checkpoints import CheckpointError
+    from ..convert.convert import convert
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("paddle_fullparam_callbacks").setLevel(logging.INFO)

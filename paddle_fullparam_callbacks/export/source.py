@@ -36,7 +36,7 @@ class TensorSource(Protocol):
 
 @dataclass
 class ModelSource:
-    """What the export needs from the model, gathered by the integrations layer."""
+    """What the export needs from the model, gathered by ``models`` from a live model (the trainer path) or from files (``convert``)."""
 
     sharded_state_dict: Callable[[], dict]
     aoa_config: Optional[dict] = None

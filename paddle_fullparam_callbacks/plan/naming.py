@@ -27,7 +27,7 @@ MAX_STEP = 2**63 - 1
 MAX_NAME_BYTES = 200
 """Longest snapshot name: the commit adds up to 19 bytes (``.replaced-`` and ``-<8 hex>``) for its
 staging and trash entries, which must stay within the 255-byte limit of a file name."""
-_RESERVED = ("latest", "best")  # the pointer files next to the snapshots (export/pointers.py POINTERS)
+_RESERVED = ("latest", "best")  # the pointer files next to the snapshots (export/commit/pointers.py POINTERS)
 _EXAMPLE = "'hf-step-{step:06d}'"
 
 

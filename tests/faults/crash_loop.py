@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from paddle_fullparam_callbacks.export.verify import verify_snapshot  # noqa: E402
+from paddle_fullparam_callbacks.export.verify.snapshot import verify_snapshot  # noqa: E402
 
 POINTS = [
     "plan", "staging", "tensor@1", "tensor@3", "tensor@5", "block@1", "block@4", "block@7", "finish",

@@ -56,7 +56,7 @@ def _model():
 def _export(out: Path, *overrides, step=1, resume=False):
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
-    from paddle_fullparam_callbacks.integrations.model_info import build_model_source
+    from paddle_fullparam_callbacks.models.model_info import build_model_source
 
     cfg = load_config(None, [f"output_dir={out}", *overrides])
     session = ExportSession(cfg, out)
@@ -202,8 +202,8 @@ def run(work: Path) -> dict:
     """Every case; the figures faults.json records."""
     from paddle_fullparam_callbacks.config import ConfigError
     from paddle_fullparam_callbacks.export import ExportError
-    from paddle_fullparam_callbacks.export.lock import OutputDirLocked
-    from paddle_fullparam_callbacks.export.verify import verify_snapshot
+    from paddle_fullparam_callbacks.export.commit.lock import OutputDirLocked
+    from paddle_fullparam_callbacks.export.verify.snapshot import verify_snapshot
 
     clear_types = (ConfigError, ExportError, OutputDirLocked, OSError)
     cases = [case_foreign_leftover_names, case_non_snapshot_at_a_snapshot_name, case_checkpoint_name_template,

@@ -26,7 +26,7 @@ def main():
 
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportError, ExportSession, ModelSource
-    from paddle_fullparam_callbacks.integrations.topology import build_context
+    from paddle_fullparam_callbacks.trainer.topology import build_context
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
     hcg = harness.init_fleet(dp=2, mp=2)

@@ -105,7 +105,7 @@ def run_ernie(group: str, out: Path, hcg, dp: int, mp: int) -> dict:
 
     import pipe_job
     from paddle_fullparam_callbacks import FullParamExportCallback
-    from paddle_fullparam_callbacks.integrations.topology import expert_axes_of
+    from paddle_fullparam_callbacks.trainer.topology import expert_axes_of
     from paddleformers.transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
 
     case = ernie_case()
@@ -206,7 +206,7 @@ def perturb_toy(model, step: int) -> None:
 def run_toy(axis: str, out: Path, hcg, dp: int, mp: int) -> dict:
     import export_job
     from paddle_fullparam_callbacks import FullParamExportCallback
-    from paddle_fullparam_callbacks.integrations.topology import expert_axes_of
+    from paddle_fullparam_callbacks.trainer.topology import expert_axes_of
 
     model = build_toy(hcg, axis)
     rep = {"experts_held": sorted(model.expert_params), "expert_axes": list(expert_axes_of(model))}

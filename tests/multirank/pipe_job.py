@@ -197,7 +197,7 @@ def set_trained_values(case: PipeCase, model, mp: int, r: int) -> bool:
 
 def embedding_layer(model):
     """(class name, padding_idx) of this rank's input embedding, if its stage has it."""
-    from paddle_fullparam_callbacks.integrations.pipe import input_embedding
+    from paddle_fullparam_callbacks.models.pipe import input_embedding
 
     emb = input_embedding(model)
     return (type(emb).__name__, getattr(emb, "_padding_idx", None)) if emb is not None else (None, None)
@@ -205,7 +205,7 @@ def embedding_layer(model):
 
 def described_config(model) -> dict:
     """What the package writes into config.json for ``model`` (its tie as the package decides it)."""
-    from paddle_fullparam_callbacks.integrations.model_info import hf_config_dict, output_embedding
+    from paddle_fullparam_callbacks.models.model_info import hf_config_dict, output_embedding
 
     return hf_config_dict(model, output_embedding(model, model.sharded_state_dict())[1])
 
@@ -342,7 +342,7 @@ def reference_case(case: PipeCase, root: Path, topologies, reports: dict) -> tup
     from _helpers import paddle_logits
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
-    from paddle_fullparam_callbacks.integrations.model_info import build_model_source
+    from paddle_fullparam_callbacks.models.model_info import build_model_source
     from run_zoo import input_ids
 
     entry = {"case": case.id}

@@ -160,7 +160,7 @@ def run_checks(model, params, out, rank) -> dict:
     from dataclasses import replace
 
     from paddle_fullparam_callbacks import FullParamExportCallback
-    from paddle_fullparam_callbacks.integrations.model_info import build_model_source
+    from paddle_fullparam_callbacks.models.model_info import build_model_source
     from paddlenlp.trainer.trainer_callback import CallbackHandler, TrainerControl, TrainerState
 
     res = {"rank": rank}
@@ -204,8 +204,8 @@ def main():
     from paddlenlp.trainer.trainer_callback import CallbackHandler, TrainerControl, TrainerState
 
     from paddle_fullparam_callbacks import FullParamExportCallback
-    from paddle_fullparam_callbacks.integrations.pipe import single_named
-    from paddle_fullparam_callbacks.integrations.shard_fixes import fix_sharded_state_dict
+    from paddle_fullparam_callbacks.models.pipe import single_named
+    from paddle_fullparam_callbacks.models.shard_fixes import fix_sharded_state_dict
 
     hcg = harness.init_fleet(dp=ns.dp, mp=ns.mp, pp=ns.pp)
     rank, mp_rank = dist.get_rank(), hcg.get_model_parallel_rank()

@@ -18,7 +18,7 @@ def main():
     out, timeout = Path(sys.argv[1]), sys.argv[2]
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession, ModelSource
-    from paddle_fullparam_callbacks.integrations.topology import build_context
+    from paddle_fullparam_callbacks.trainer.topology import build_context
 
     hcg = harness.init_fleet(dp=2, mp=2)
     model = harness.TinyParallelLlama(hcg=hcg)

@@ -11,11 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paddle_fullparam_callbacks.integrations.checkpoints import (
-    Checkpoint, CheckpointError, FileSlice, TensorInfo, open_checkpoint,
-)
-from paddle_fullparam_callbacks.integrations.checkpoints._base import check_tiling
-from paddle_fullparam_callbacks.integrations.checkpoints._pickles import PickleFormatError, index_tensor_pickle
+from paddle_fullparam_callbacks.convert.checkpoints import Checkpoint, CheckpointError, FileSlice, TensorInfo, open_checkpoint
+from paddle_fullparam_callbacks.convert.checkpoints._base import check_tiling
+from paddle_fullparam_callbacks.convert.checkpoints._pickles import PickleFormatError, index_tensor_pickle
 
 RNG = np.random.default_rng(0)
 

@@ -8,10 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paddle_fullparam_callbacks.export import checksum, commit, ownership, retention
-from paddle_fullparam_callbacks.export.manifest import describe_files
-from paddle_fullparam_callbacks.export.safetensors_io import SnapshotWriter
-from paddle_fullparam_callbacks.export.verify import verify_snapshot
+from paddle_fullparam_callbacks.export.write import checksum
+from paddle_fullparam_callbacks.export import commit
+from paddle_fullparam_callbacks.export.commit import ownership, retention
+from paddle_fullparam_callbacks.export.commit.manifest import describe_files
+from paddle_fullparam_callbacks.export.write.writer import SnapshotWriter
+from paddle_fullparam_callbacks.export.verify.snapshot import verify_snapshot
 from paddle_fullparam_callbacks.plan.export_plan import TensorSpec, build_export_plan
 from paddle_fullparam_callbacks.plan.naming import snapshot_step_pattern
 
@@ -262,7 +264,7 @@ def test_verify_bad_header_offsets(tmp_path, damage, message):
 
 
 def test_a_lock_of_another_host_is_taken_over_only_when_it_went_stale(tmp_path, caplog):
-    from paddle_fullparam_callbacks.export import lock as lockmod
+    from paddle_fullparam_callbacks.export.commit import lock as lockmod
 
     path = tmp_path / commit.LOCK
     path.write_text(json.dumps({"host": "node-that-was-preempted", "pid": 4242, "since": "2026-11-30T00:00:00Z"}))

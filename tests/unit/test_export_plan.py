@@ -8,12 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paddle_fullparam_callbacks.plan.export_plan import (
-    TensorSpec,
-    assign_writers,
-    build_export_plan,
-    natural_key,
-)
+from paddle_fullparam_callbacks.plan.export_plan import TensorSpec, assign_writers, build_export_plan, natural_key
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int8": 1}
 ST_CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int8": "I8"}

@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 
-from paddle_fullparam_callbacks.export.host import HostRing, detached_copy
+from paddle_fullparam_callbacks.export.session.host import HostRing, detached_copy
 
 
 def test_copy_in_keeps_values_and_strides():

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paddle_fullparam_callbacks.cli.main import main
-from paddle_fullparam_callbacks.export.verify import VerifyReport, verify_snapshot
-from paddle_fullparam_callbacks.export.verify_tree import OutputDirReport, verify_path
+from paddle_fullparam_callbacks.export.verify.snapshot import VerifyReport, verify_snapshot
+from paddle_fullparam_callbacks.export.verify.tree import OutputDirReport, verify_path
 from test_verify_hardened import INDEX, MANIFEST, OpenRecorder, build_output_dir, build_snapshot
 
 # ---- the environment: templates to copy, and files outside that a fooled verify would open ---------

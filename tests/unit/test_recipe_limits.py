@@ -8,12 +8,7 @@ from pathlib import Path
 import pytest
 
 from paddle_fullparam_callbacks.config import ConfigError, list_recipes, load_config
-from paddle_fullparam_callbacks.config.recipes import (
-    MAX_RECIPE_BYTES,
-    MAX_YAML_DEPTH,
-    MAX_YAML_NODES,
-    check_yaml,
-)
+from paddle_fullparam_callbacks.config.recipes import MAX_RECIPE_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES, check_yaml
 
 BUNDLED = Path(__file__).resolve().parents[2] / "recipes"
 

@@ -177,7 +177,7 @@ def test_cli_plan_shows_the_expert_axis():
 def test_expert_axes_from_the_models_moe_group(moe_group, axes):
     from types import SimpleNamespace
 
-    from paddle_fullparam_callbacks.integrations.topology import expert_axes_of
+    from paddle_fullparam_callbacks.trainer.topology import expert_axes_of
 
     assert expert_axes_of(SimpleNamespace(config=SimpleNamespace(moe_group=moe_group))) == axes
     # PaddleFormers replaces config.moe_group by the group object and keeps the text here

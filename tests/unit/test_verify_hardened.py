@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from paddle_fullparam_callbacks.cli.main import main
-from paddle_fullparam_callbacks.export import checksum, verify, verify_paths
-from paddle_fullparam_callbacks.export.safetensors_io import SnapshotWriter
-from paddle_fullparam_callbacks.export.verify import verify_snapshot
-from paddle_fullparam_callbacks.export.verify_tree import OutputDirReport, PointerReport, verify_path
+from paddle_fullparam_callbacks.export.write import checksum
+from paddle_fullparam_callbacks.export.verify import snapshot as verify, paths as verify_paths
+from paddle_fullparam_callbacks.export.write.writer import SnapshotWriter
+from paddle_fullparam_callbacks.export.verify.snapshot import verify_snapshot
+from paddle_fullparam_callbacks.export.verify.tree import OutputDirReport, PointerReport, verify_path
 from paddle_fullparam_callbacks.plan.export_plan import TensorSpec, build_export_plan
 
 MANIFEST = "fullparam_manifest.json"
@@ -429,7 +430,7 @@ def test_a_snapshot_is_hashed_once_per_run(tmp_path, monkeypatch):
     out = build_output_dir(tmp_path / "out", steps=(1,))
     calls = []
     real = verify._digest
-    monkeypatch.setattr("paddle_fullparam_callbacks.export.verify._digest", lambda f, a: calls.append(1) or real(f, a))
+    monkeypatch.setattr("paddle_fullparam_callbacks.export.verify.snapshot._digest", lambda f, a: calls.append(1) or real(f, a))
     cache = {}
     for p in (out, out / "hf-step-000001", out / "latest"):
         assert verify_path(p, cache=cache).ok
@@ -457,7 +458,7 @@ def test_json_is_one_object_with_the_exit_code(snap, capsys, what, code, message
 def test_usage_error_and_internal_error_still_print_one_object(snap, capsys, monkeypatch):
     code, out = run_cli("--json", capsys=capsys)
     assert code == 2 and json.loads(out)["ok"] is False
-    monkeypatch.setattr("paddle_fullparam_callbacks.export.verify_tree.verify_path", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("paddle_fullparam_callbacks.export.verify.tree.verify_path", lambda *a, **k: 1 / 0)
     code, out = run_cli(snap, "--json", capsys=capsys)
     assert code == 1 and json.loads(out) == {"ok": False, "errors": ["verify failed: ZeroDivisionError: division by zero"]}
 

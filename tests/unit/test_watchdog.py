@@ -5,7 +5,7 @@ import json
 import threading
 import time
 
-from paddle_fullparam_callbacks.export.watchdog import EXIT_CODE, Watchdog
+from paddle_fullparam_callbacks.export.commit.watchdog import EXIT_CODE, Watchdog
 
 
 def _watchdog(tmp_path, rank=0, timeout=0.3):

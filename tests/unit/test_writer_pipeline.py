@@ -1,4 +1,4 @@
-"""The snapshot writer's threads and copies (export/writer_*.py): results, bounds, failures, aborts."""
+"""The snapshot writer's threads and copies (export/write/): results, bounds, failures, aborts."""
 from __future__ import annotations
 
 import os
@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from paddle_fullparam_callbacks.export import checksum, safetensors_io, writer_os
-from paddle_fullparam_callbacks.export.safetensors_io import SnapshotWriter, read_tensor
-from paddle_fullparam_callbacks.export.writer_copy import copy_into, row_blocks
-from paddle_fullparam_callbacks.export.writer_pipeline import BlockPool, Stopped
+from paddle_fullparam_callbacks.export.write import checksum, syscalls, writer
+from paddle_fullparam_callbacks.export.write.writer import SnapshotWriter
+from paddle_fullparam_callbacks.export.write.header import read_tensor
+from paddle_fullparam_callbacks.export.write.copy import copy_into, row_blocks
+from paddle_fullparam_callbacks.export.write.pipeline import BlockPool, Stopped
 from paddle_fullparam_callbacks.plan.export_plan import TensorSpec, build_export_plan
 
 DTYPE_NAME = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.int64): "int64",
@@ -34,10 +35,10 @@ def no_threads_left_behind():
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Many pieces per tensor and a pool of two buffers: every path of the pipeline runs."""
-    monkeypatch.setattr(safetensors_io, "_BLOCK_BYTES", 4096)
-    monkeypatch.setattr(safetensors_io, "_POOL_BLOCKS", 2)
-    monkeypatch.setattr(safetensors_io, "_PIECE_BYTES", 8192)
-    monkeypatch.setattr(safetensors_io, "_WRITEBACK_EVERY", 16384)
+    monkeypatch.setattr(writer, "_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(writer, "_POOL_BLOCKS", 2)
+    monkeypatch.setattr(writer, "_PIECE_BYTES", 8192)
+    monkeypatch.setattr(writer, "_WRITEBACK_EVERY", 16384)
 
 
 # ---- copies ------------------------------------------------------------------------------------
@@ -185,7 +186,7 @@ class _Boom(OSError):
 @pytest.mark.parametrize("fail_at", [1, 4, 9])
 def test_failed_pwrite_is_reported_and_files_removed(tmp_path, small_blocks, monkeypatch, fail_at):
     plan, arrays = _plan_and_arrays()
-    real, calls = safetensors_io._pwrite_all, {"n": 0}
+    real, calls = writer._pwrite_all, {"n": 0}
 
     def failing(fd, data, offset):
         calls["n"] += 1
@@ -193,7 +194,7 @@ def test_failed_pwrite_is_reported_and_files_removed(tmp_path, small_blocks, mon
             raise _Boom(28, "No space left on device")
         return real(fd, data, offset)
 
-    monkeypatch.setattr(safetensors_io, "_pwrite_all", failing)
+    monkeypatch.setattr(writer, "_pwrite_all", failing)
     released = []
     w = SnapshotWriter(plan, tmp_path, max_pending_bytes=1 << 20)
     with pytest.raises(OSError, match="No space left on device"):
@@ -220,7 +221,7 @@ def test_failed_hash_is_reported(tmp_path, small_blocks, monkeypatch):
         def hexdigest(self):
             return "0" * 64
 
-    monkeypatch.setattr(safetensors_io.checksum, "new", lambda algorithm, data=b"": Hasher())
+    monkeypatch.setattr(writer.checksum, "new", lambda algorithm, data=b"": Hasher())
     w = SnapshotWriter(plan, tmp_path)
     with pytest.raises(OSError, match="hash broke"):
         for n in _in_file_order(plan):
@@ -250,7 +251,7 @@ def test_failed_fsync_is_reported(tmp_path, small_blocks, monkeypatch):
 
 def test_full_disk_fails_at_allocation_before_any_data(tmp_path, monkeypatch):
     plan, arrays = _plan_and_arrays()
-    monkeypatch.setattr(safetensors_io, "allocate", lambda fd, n: (_ for _ in ()).throw(OSError(28, "No space left")))
+    monkeypatch.setattr(writer, "allocate", lambda fd, n: (_ for _ in ()).throw(OSError(28, "No space left")))
     w = SnapshotWriter(plan, tmp_path)
     with pytest.raises(OSError, match="No space left"):
         for n in _in_file_order(plan):
@@ -262,9 +263,9 @@ def test_full_disk_fails_at_allocation_before_any_data(tmp_path, monkeypatch):
 def test_allocate_reserves_the_file_size(tmp_path):
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
     try:
-        done = writer_os.allocate(fd, 12345)
+        done = syscalls.allocate(fd, 12345)
         assert os.fstat(fd).st_size == (12345 if done else 0)
-        writer_os.start_writeback(fd)  # harmless anywhere
+        syscalls.start_writeback(fd)  # harmless anywhere
     finally:
         os.close(fd)
 
@@ -274,7 +275,7 @@ def test_abort_unblocks_a_producer_and_a_writer_waiting_for_buffers(tmp_path, sm
     budget. abort() from elsewhere ends all of it (once the hung write returns) and removes the files."""
     plan, arrays = _plan_and_arrays()
     gate, entered = threading.Event(), threading.Event()
-    real = safetensors_io._pwrite_all
+    real = writer._pwrite_all
 
     def hanging(fd, data, offset):
         if offset > 0:  # the header goes through
@@ -282,7 +283,7 @@ def test_abort_unblocks_a_producer_and_a_writer_waiting_for_buffers(tmp_path, sm
             gate.wait(10)
         return real(fd, data, offset)
 
-    monkeypatch.setattr(safetensors_io, "_pwrite_all", hanging)
+    monkeypatch.setattr(writer, "_pwrite_all", hanging)
     w = SnapshotWriter(plan, tmp_path, max_pending_bytes=8192)
     released = []
 
@@ -305,8 +306,8 @@ def test_abort_unblocks_a_producer_and_a_writer_waiting_for_buffers(tmp_path, sm
 
 def test_peak_copy_memory_is_the_pool(tmp_path, monkeypatch):
     """A large transposed tensor passes through at most _POOL_BLOCKS blocks of copies."""
-    monkeypatch.setattr(safetensors_io, "_BLOCK_BYTES", 1 << 16)
-    monkeypatch.setattr(safetensors_io, "_POOL_BLOCKS", 3)
+    monkeypatch.setattr(writer, "_BLOCK_BYTES", 1 << 16)
+    monkeypatch.setattr(writer, "_POOL_BLOCKS", 3)
     made = []
     real_empty = np.empty
 
@@ -316,7 +317,7 @@ def test_peak_copy_memory_is_the_pool(tmp_path, monkeypatch):
             made.append(out.nbytes)
         return out
 
-    import paddle_fullparam_callbacks.export.writer_pipeline as wp
+    import paddle_fullparam_callbacks.export.write.pipeline as wp
 
     monkeypatch.setattr(wp.np, "empty", counting_empty)
     x = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32).T  # 2 MB, 32 blocks

@@ -1,4 +1,4 @@
-"""PaddleNLP 2.8.1 GPT-family causal LMs (presets in integrations/mappings/paddlenlp_gpt.py).
+"""PaddleNLP 2.8.1 GPT-family causal LMs (presets in models/mappings/paddlenlp_gpt.py).
 
 None of these embeddings has a Paddle padding_idx. Ties: GPT and Bloom always use the word embedding
 as LM head (Bloom's config flag only decides whether the snapshot carries a copy of it); RW, OPT,

@@ -1,4 +1,4 @@
-"""PaddleNLP 2.8.1 Llama-like families: presets of ``integrations/mappings/paddlenlp_llama.py``.
+"""PaddleNLP 2.8.1 Llama-like families: presets of ``models/mappings/paddlenlp_llama.py``.
 
 Llama in its four fuse combinations (GQA, MHA, MQA), Mixtral (forward broken on Paddle 3.3.1:
 names/shapes only), ChatGLMv2 -> HF GlmForCausalLM, QWen (Qwen-1) -> HF Qwen2ForCausalLM.

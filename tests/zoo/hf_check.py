@@ -18,7 +18,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from paddle_fullparam_callbacks.export.verify_hf import verify_with_transformers  # noqa: E402
+from paddle_fullparam_callbacks.export.verify.hf import verify_with_transformers  # noqa: E402
 
 
 def check(entry: dict) -> dict:

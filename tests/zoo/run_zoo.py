@@ -104,7 +104,7 @@ def padding_row(model) -> "int | None":
 def is_tied(model) -> bool:
     """Whether the LM head is the input embedding, by identity of the parameters (the case states
     what its author read in the model's code; the test compares the two)."""
-    from paddle_fullparam_callbacks.integrations.model_info import output_embedding
+    from paddle_fullparam_callbacks.models.model_info import output_embedding
 
     return output_embedding(model, model.sharded_state_dict())[1]
 
@@ -134,7 +134,7 @@ def train_with_callback(case: ZooCase, model, work: Path):
 def export_without_training(model, work: Path):
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
-    from paddle_fullparam_callbacks.integrations.model_info import build_model_source
+    from paddle_fullparam_callbacks.models.model_info import build_model_source
 
     cfg = load_config(None, [f"output_dir={work / 'snapshots'}"])
     session = ExportSession(cfg, cfg.output_dir)

@@ -1,0 +1,135 @@
+"""Exporters: what happens to each full tensor. One small interface, three implementations.
+
+``begin(plan, staging_dir)`` once, ``write(name, tensor)`` per tensor, then ``finish()`` (returns
+the files written, for the manifest) or ``abort()`` (removes whatever was written).
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+from ...config.schema import ConfigError
+from ...plan.export_plan import ExportPlan
+from .host import detached_copy, to_host_array, with_zero_row
+from ..write.writer import FileResult, SnapshotWriter
+
+
+class Exporter:
+    """Base class. ``writes_files`` says whether a snapshot directory is committed."""
+
+    writes_files = True
+    uses_mapping = True
+
+    def begin(self, plan: ExportPlan, staging_dir: Optional[Path], step: int, file_indices=None) -> None:
+        """``file_indices``: the files this rank writes (None: all)."""
+        raise NotImplementedError
+
+    def write(self, name: str, tensor, zero_row: Optional[int] = None) -> None:
+        """``zero_row``: a row (first axis) exported as zeros (an embedding's padding row)."""
+        raise NotImplementedError
+
+    def wait_for_room(self, nbytes: int) -> None:
+        """Block until a tensor of ``nbytes`` can be written without waiting: called before a producer
+        that reads tensors on demand (``convert``) reads the next one. Nothing to wait for by default."""
+
+    def finish(self) -> Dict[str, FileResult]:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        pass
+
+
+class SafetensorsExporter(Exporter):
+    """Sharded safetensors files following the plan, through the streaming writer."""
+
+    def __init__(self, max_pending_bytes: int, background: bool = True, copy: bool = False, ring=None):
+        self.max_pending_bytes = max_pending_bytes
+        self.background = background
+        self.copy = copy  # async: training resumes before the bytes are on disk, so hand over a copy
+        self.ring = ring  # reusable host memory for those copies (HostRing), if any
+        self.writer: Optional[SnapshotWriter] = None
+
+    def begin(self, plan, staging_dir, step, file_indices=None):
+        self.writer = SnapshotWriter(
+            plan, staging_dir, file_indices, max_pending_bytes=self.max_pending_bytes, background=self.background
+        )
+
+    def wait_for_room(self, nbytes: int) -> None:
+        self.writer.wait_for_room(nbytes)  # until it could take nbytes more within its budget (or is idle)
+
+    def write(self, name, tensor, zero_row=None):
+        arr = to_host_array(tensor)
+        release = None
+        if self.copy:
+            copied, release = self.ring.copy_in(arr) if self.ring is not None else (None, None)
+            arr = copied if copied is not None else detached_copy(arr)
+        self.writer.put(name, arr, release, zero_row=zero_row)  # the writer zeroes the row: no copy
+
+    def finish(self):
+        return self.writer.close()
+
+    def abort(self):
+        if self.writer is not None:
+            self.writer.abort()
+
+    @property
+    def peak_pending_bytes(self) -> int:
+        return self.writer.peak_pending_bytes if self.writer else 0
+
+
+class HFSafetensorsExporter(SafetensorsExporter):
+    """Hugging Face names and layout (after the name mapping), plus config and tokenizer files."""
+
+
+class PaddleSafetensorsExporter(SafetensorsExporter):
+    """Paddle names and layout, no mapping: loads back with ``set_state_dict`` on an unsharded model."""
+
+    uses_mapping = False
+
+
+class CallableExporter(Exporter):
+    """Hands every full tensor to ``fn(name, tensor, step=step)``; writes no snapshot."""
+
+    writes_files = False
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.step = None
+
+    def begin(self, plan, staging_dir, step, file_indices=None):
+        self.step = step
+
+    def write(self, name, tensor, zero_row=None):
+        if zero_row is not None:
+            tensor = with_zero_row(tensor, zero_row)
+        self.fn(name, tensor, step=self.step)
+
+    def finish(self):
+        return {}
+
+
+def load_callable(spec: str) -> Callable:
+    """'package.module:function' -> the function (imported, never evaluated); a ConfigError naming
+    export.callable if it cannot be imported or is not callable (checked when the job starts)."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as e:  # the user's module may fail to import in any way
+        raise ConfigError("export.callable", f"{spec!r} cannot be imported: {type(e).__name__}: {e}") from e
+    if not callable(obj):
+        raise ConfigError("export.callable", f"{spec!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def make_exporter(export_cfg, fn: Optional[Callable] = None, ring=None) -> Exporter:
+    fmt = export_cfg.format
+    if fmt == "hf_safetensors":
+        return HFSafetensorsExporter(export_cfg.max_pending, copy=export_cfg.async_write, ring=ring)
+    if fmt == "paddle_safetensors":
+        return PaddleSafetensorsExporter(export_cfg.max_pending, copy=export_cfg.async_write, ring=ring)
+    if fmt == "callable":
+        return CallableExporter(fn or load_callable(export_cfg.callable))
+    raise ValueError(f"unknown export.format {fmt!r}")

@@ -1,0 +1,210 @@
+"""After the tensors: this rank's files finished, every rank's status exchanged, the commit.
+
+``finish_local`` waits for this rank's writer (fsync, sizes, checksums) or aborts it;
+``Committer.finish_global`` exchanges every rank's outcome, and the coordinator writes the side
+files (index, config, tokenizer) and the manifest (last), renames staging into place, points
+``latest`` and ``best`` and applies retention. Any failure removes the staging directory and
+becomes the same ``ExportError`` on every rank.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional
+
+from ... import _faults
+from ...config.schema import FullParamConfig
+from ...plan.export_plan import ExportPlan
+from .. import commit
+from .exporters import Exporter
+from ..commit.manifest import build_manifest, describe_files, dominant_float_dtype
+from ..commit.ownership import read_manifest
+from .planning import PreparedExport
+from ..commit.retention import apply_retention, update_best
+from ..source import ExportError, ModelSource, SnapshotInfo
+
+logger = logging.getLogger("paddle_fullparam_callbacks")
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class ExportJob:
+    """One export in flight, between assembly and commit."""
+
+    name: str
+    step: int
+    reason: str
+    metrics: Optional[dict]
+    p: PreparedExport
+    staging: Optional[Path]
+    exporter: Exporter
+    source: ModelSource
+    expected: int
+    t0: float
+    t_plan: float
+    t_stream: float = 0.0
+    t_written: float = 0.0
+    seen: int = 0
+    error: Optional[str] = None
+    files: dict = field(default_factory=dict)  # file name -> FileResult (bytes, digest)
+    thread: Optional[threading.Thread] = None
+    info: Optional[SnapshotInfo] = None
+    exception: Optional[BaseException] = None
+    out_dir: Optional[Path] = None
+    stall_s: float = 0.0
+    pointers: bool = True  # update latest/best and apply retention after the commit
+
+
+def finish_local(job: ExportJob, rank: int) -> None:
+    """This rank's files: wait for the writer, fsync, sizes and checksums (or abort on error)."""
+    if job.error is None:
+        try:
+            _faults.point("finish")
+            job.files = job.exporter.finish()
+            if job.seen != job.expected:
+                job.error = f"rank {rank} received {job.seen} of its {job.expected} tensors"
+        except Exception as e:
+            job.error = f"{type(e).__name__}: {e}"
+    if job.error is not None:
+        job.exporter.abort()
+    job.t_written = time.perf_counter()
+
+
+class Committer:
+    """The coordinator's side of a snapshot: what lands in ``output_dir`` and under which run."""
+
+    def __init__(self, config: FullParamConfig, ctx, output_dir: Path, pattern):
+        self.config, self.ctx, self.output_dir, self.pattern = config, ctx, output_dir, pattern
+        self.run_id, self.seq = new_run_id(), 1  # settled when the session starts
+
+    def check_target(self, final: Path) -> None:
+        """What is at a snapshot's name may be replaced only if it is this run's snapshot."""
+        if not (final.exists() or final.is_symlink()):
+            return
+        manifest = None if final.is_symlink() else read_manifest(final)
+        if manifest is None:
+            raise FileExistsError(
+                f"{str(final)!r} exists and is not a snapshot of this package; refusing to replace it (nothing of it "
+                "was touched). Move it away, or choose another export.name_template or output_dir")
+        run = manifest.get("run") if isinstance(manifest.get("run"), dict) else {}
+        if run.get("id") != self.run_id and self.config.retention.other_runs != "delete":
+            raise FileExistsError(
+                f"{str(final)!r} holds a snapshot of another run (run {run.get('id')}, step {manifest.get('step')}); "
+                "this run does not replace it. Use another output_dir, put a run name into export.name_template, "
+                "or set retention.other_runs=delete")
+
+    def finish_global(self, job: ExportJob) -> SnapshotInfo:
+        """Status exchange, then the coordinator commits and everyone learns the outcome."""
+        ctx, name, step = self.ctx, job.name, job.step
+        statuses = ctx.all_gather_object((job.error, {k: (v.bytes, v.digest) for k, v in job.files.items()}),
+                                         what="status exchange")
+        errors = [(r, e) for r, (e, _) in enumerate(statuses) if e]
+        if errors:
+            if ctx.is_coordinator and job.staging is not None:
+                shutil.rmtree(job.staging, ignore_errors=True)
+            r, e = errors[0]
+            where = f" (rank {r})" if ctx.world_size > 1 else ""
+            raise ExportError(f"export of step {step} to {job.out_dir / name} failed{where}: {e}")
+        all_files = {k: v for _, fs in statuses for k, v in fs.items()}
+        timings = {"plan_s": job.t_plan - job.t0, "assemble_write_s": job.t_stream - job.t_plan,
+                   "flush_s": job.t_written - job.t_stream}
+        if job.thread is not None:  # async_write: how long training waited (the rest ran in the background)
+            timings["stall_s"] = job.stall_s
+        if not job.exporter.writes_files:
+            total = time.perf_counter() - job.t0
+            return SnapshotInfo(name, step, None, 0, 0, job.p.plan.num_tensors, total, timings, job.reason, stall_s=total)
+        error, final = None, job.out_dir / name
+        if ctx.is_coordinator:
+            try:
+                self.commit(job, all_files, timings)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                shutil.rmtree(job.staging, ignore_errors=True)
+        outcome = ctx.all_gather_object(error, what="commit outcome")[ctx.coordinator]
+        if outcome:
+            raise ExportError(f"export of step {step} to {final} failed while committing: {outcome}")
+        total = time.perf_counter() - job.t0
+        timings["commit_s"] = total - (job.t_written - job.t0)
+        timings["total_s"] = total
+        shard_bytes = sum(b for b, _ in all_files.values())
+        stall = job.stall_s if job.thread is not None else total
+        info = SnapshotInfo(name, step, final, len(all_files), shard_bytes, job.p.plan.num_tensors, total, timings,
+                            job.reason, getattr(job.exporter, "peak_pending_bytes", 0), len(job.files), stall_s=stall)
+        if ctx.is_coordinator:
+            stalled = "" if job.reason == "convert" else f", training stalled {stall:.2f} s"  # no training to stall
+            logger.info(
+                "snapshot %s (step %d, %s): %d files, %.1f MB in %.2f s (%.2f GB/s)%s",
+                name if job.pointers else f"{job.out_dir.name}/{name}", step, job.reason or "export", info.files,
+                info.bytes / 1e6, total, info.bytes / 1e9 / max(total, 1e-9), stalled,
+            )
+        return info
+
+    def commit(self, job: ExportJob, files, timings) -> None:
+        staging, name, p, source = job.staging, job.name, job.p, job.source
+        _faults.point("side_files")
+        extra = self.write_side_files(staging, source, p.plan)
+        topo = self.ctx.topology
+        manifest = build_manifest(
+            name=name, step=job.step, reason=job.reason, metrics=job.metrics, config=self.config, plan=p.plan,
+            files={**files, **extra}, timings=timings, framework=source.framework,
+            model={**source.notes, **({"padding_rows_zeroed": p.zero_rows} if p.zero_rows else {})},
+            run={"id": self.run_id, "seq": self.seq},
+            topology={
+                "world_size": topo.world_size, "axes": [list(a) for a in topo.axes],
+                "sharding_stage": topo.sharding_stage, "meshes": [[list(r) for r in m.rows] for m in topo.meshes],
+                "writers": {str(r): fs for r, fs in sorted(p.writes.writers().items())},
+                "assembler": self.config.assembler,
+            },
+        )
+        _faults.point("manifest")
+        commit.write_json_durable(staging / commit.MANIFEST, manifest)
+        _faults.point("rename")
+        commit.commit_staging(staging, job.out_dir, name)
+        self.seq += 1
+        _faults.point("latest")
+        if not job.pointers:
+            return
+        commit.write_pointer(self.output_dir, "latest", name)
+        self.after_commit(name)
+
+    def after_commit(self, name: str) -> None:
+        """Point ``best`` at the best snapshot by the tracked metric, then apply retention."""
+        ret = self.config.retention
+        _faults.point("best")
+        update_best(self.output_dir, self.pattern, ret.metric, ret.mode, self.run_id, ret.other_runs)
+        _faults.point("retention")
+        removed = apply_retention(self.output_dir, self.pattern, ret.keep_last, protect=[name], keep_best=ret.keep_best,
+                                  metric=ret.metric, mode=ret.mode, run_id=self.run_id, other_runs=ret.other_runs)
+        if removed:
+            logger.info("retention (keep_last=%d, keep_best=%d) removed %s", ret.keep_last, ret.keep_best, removed)
+
+    def write_side_files(self, staging: Path, source: ModelSource, plan: ExportPlan) -> Dict[str, tuple]:
+        """Index, config.json, generation_config.json, tokenizer files -> {file: (bytes, digest)}."""
+        written = []
+        if plan.needs_index:
+            commit.write_json_durable(staging / commit.INDEX, plan.index())
+            written.append(commit.INDEX)
+        if self.config.export.format == "hf_safetensors":
+            if source.hf_config is not None:
+                cfg = dict(source.hf_config)
+                dtype = dominant_float_dtype(plan)
+                if dtype:
+                    cfg["dtype"] = dtype  # transformers >= 4.56 writes and reads this key (torch_dtype before)
+                commit.write_json_durable(staging / "config.json", cfg)
+                written.append("config.json")
+            if source.generation_config:
+                commit.write_json_durable(staging / "generation_config.json", source.generation_config)
+                written.append("generation_config.json")
+            if self.config.export.copy_tokenizer and source.tokenizer is not None:
+                before = {q.name for q in staging.iterdir()}
+                source.tokenizer.save_pretrained(str(staging))
+                written.extend(sorted({q.name for q in staging.iterdir() if q.is_file()} - before))
+        return describe_files(staging, written)

@@ -1,0 +1,147 @@
+"""Paddle tensor -> host numpy array with the bytes the writer needs, copying as little as possible."""
+from __future__ import annotations
+
+import numpy as np
+
+from ... import _dtypes
+
+
+def to_host_array(tensor) -> np.ndarray:
+    """A numpy array over the tensor's bytes (bfloat16 as uint16 bits).
+
+    A CPU tensor is shared, not copied (DLPack), strides included: a transposed view stays a
+    view, and the writer copies it block by block. A GPU tensor is copied to host once.
+    """
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    import paddle
+
+    if not tensor.place.is_cpu_place():
+        tensor = tensor.cpu()
+    if not tensor.stop_gradient:
+        # Paddle refuses DLPack on tensors that require grad; detach() shares the memory
+        tensor = tensor.detach()
+    dt = _dtypes.lookup(str(tensor.dtype))
+    try:
+        if dt.name == "bfloat16":
+            arr = np.from_dlpack(tensor.view(paddle.uint16))
+        else:
+            arr = np.from_dlpack(tensor)
+        if arr.dtype == np.dtype(dt.np_storage) and tuple(arr.shape) == tuple(tensor.shape):
+            return arr
+    except (TypeError, RuntimeError, ValueError, BufferError, AttributeError):
+        pass
+    arr = tensor.numpy()  # copies; always right
+    if arr.dtype != np.dtype(dt.np_storage):
+        arr = arr.view(dt.np_storage)
+    return arr
+
+
+def _memory_order(array: np.ndarray):
+    """(axes ordered by decreasing stride, the permutation back): ``array.transpose(order)`` walks
+    the memory in order, ``.transpose(inverse)`` of that gives ``array``'s view again."""
+    order = tuple(sorted(range(array.ndim), key=lambda i: -abs(array.strides[i])))
+    inverse = tuple(int(i) for i in np.argsort(order)) if order else ()
+    return order, inverse
+
+
+def detached_copy(array: np.ndarray) -> np.ndarray:
+    """A private copy of ``array``'s values, made as cheaply as possible.
+
+    A transposed view is copied in its memory order (a plain memcpy) and handed back as the same
+    transposed view of the copy; the writer turns it into file order later, on its own thread.
+    Copying it directly in logical order is a strided copy, several times slower.
+
+    >>> x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    >>> y = detached_copy(x.T)
+    >>> bool(np.array_equal(y, x.T)) and not np.shares_memory(y, x)
+    True
+    """
+    if array.flags.c_contiguous or array.ndim < 2:
+        return np.array(array, copy=True, order="C")
+    order, inverse = _memory_order(array)
+    in_memory_order = array.transpose(order)
+    if not in_memory_order.flags.c_contiguous:
+        return np.array(array, copy=True, order="C")
+    return np.array(in_memory_order, copy=True, order="C").transpose(inverse)
+
+
+class HostRing:
+    """Reusable host memory for background writes: ``size`` bytes, touched once, used as a ring.
+
+    Copying a snapshot into freshly allocated memory pays a page fault per 4 KB (most of the
+    training stall of an async export, measured); a ring that lives as long as the job pays it
+    once. ``alloc`` blocks while the writer still holds the bytes it needs (back pressure); after
+    ``wait_s`` without room (tensors written out of order can hold the ring) it returns None and
+    the caller makes an ordinary copy instead, so it can never deadlock.
+    """
+
+    def __init__(self, size: int, wait_s: float = 30.0):
+        import collections
+        import threading
+
+        self.size = int(size)
+        self.buf = np.empty(self.size, dtype=np.uint8)
+        self.buf.fill(0)  # fault every page in now, at setup, not during an export
+        self.wait_s = wait_s
+        self._cv = threading.Condition()
+        self._live = collections.deque()  # [start, end, done] in allocation order
+        self._head = self._tail = 0  # byte counters, monotonic
+
+    def reset(self) -> None:
+        """Forget every allocation (call only when no writer uses the ring)."""
+        with self._cv:
+            self._live.clear()
+            self._head = self._tail = 0
+
+    def alloc(self, n: int):
+        """(a uint8 view of n bytes, a token for free()) or (None, None)."""
+        if n <= 0 or n > self.size:
+            return None, None
+        with self._cv:
+            def room():
+                pos = self._head % self.size
+                waste = self.size - pos if pos + n > self.size else 0
+                return self._head + waste + n - self._tail <= self.size, waste
+
+            ok, waste = room()
+            if not ok:
+                self._cv.wait_for(lambda: room()[0], timeout=self.wait_s)
+                ok, waste = room()
+                if not ok:
+                    return None, None
+            start = self._head + waste
+            self._head = start + n
+            token = [start, self._head, False]
+            self._live.append(token)
+        p = start % self.size
+        return self.buf[p:p + n], token
+
+    def free(self, token) -> None:
+        with self._cv:
+            token[2] = True
+            while self._live and self._live[0][2]:
+                self._tail = self._live.popleft()[1]
+            self._cv.notify_all()
+
+    def copy_in(self, array: np.ndarray):
+        """(a copy of ``array`` in the ring, release callback) or (None, None) if it does not fit.
+
+        Copied in memory order (a memcpy, see detached_copy) and returned with the same strides."""
+        view, token = self.alloc(array.nbytes)
+        if view is None:
+            return None, None
+        order, inverse = _memory_order(array)
+        src = array.transpose(order)
+        dest = view.view(array.dtype).reshape(src.shape)
+        np.copyto(dest, src)
+        return dest.transpose(inverse), (lambda: self.free(token))
+
+
+def with_zero_row(tensor, row: int) -> np.ndarray:
+    """A host copy of ``tensor`` with ``row`` set to zeros (an embedding's padding row: Paddle's
+    ``padding_idx`` returns zeros for that id, torch returns the stored row). Never writes into
+    the model's own memory."""
+    arr = np.array(to_host_array(tensor), copy=True)
+    arr[row] = 0
+    return arr

@@ -1,0 +1,107 @@
+"""The export plan of a job: mapping, destination tensors, shard files, who writes what.
+
+Computed from every mesh rank's shard records (one exchange), checked for consistency, and
+agreed on by every rank (a digest exchange: a rank alone in a collective would hang). Cached by
+the session: recomputed only when some rank's parameter names, shapes or dtypes change.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from ... import _faults
+from ...assemble.mapping import DestinationMap, MappingError, apply_export_dtype, build_destination_map, padding_destinations
+from ...assemble.mesh import records_from_state_dict, shard_info_from_records, validate_records
+from ...config.schema import FullParamConfig
+from ...plan.export_plan import ExportPlan, build_export_plan
+from ...plan.topology import WritePlan, plan_writes
+from ..source import ExportError, ModelSource
+
+
+@dataclass
+class PreparedExport:
+    signature: str
+    records: list
+    dmap: DestinationMap
+    plan: ExportPlan
+    order: List[str]  # destination names in file order
+    writes: WritePlan
+    zero_rows: Dict[str, int] = field(default_factory=dict)  # destination -> row written as zeros
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(repr(obj).encode()).hexdigest()[:16]
+
+
+def _flattened_error(flattened: List[str]) -> MappingError:
+    more = f" and {len(flattened) - 3} more" if len(flattened) > 3 else ""
+    return MappingError(
+        f"parameter(s) {flattened[:3]}{more} are flattened shards (is_flattened: sharding stage 1 v2 "
+        "or stage 3 with tensor fusion): the exporter needs every rank's block of each tensor (its global "
+        "offset and shape); export from a job without tensor fusion, or convert its saved checkpoint")
+
+
+def _check_whole(records) -> None:
+    for r in records:
+        if r.shape != r.global_shape:
+            raise MappingError(
+                f"parameter {r.key!r} is a slice {list(r.shape)} of {list(r.global_shape)} on rank {r.rank}, "
+                "but the topology gives this rank a mesh of one: the parallel axes do not match the job"
+            )
+
+
+def plan_export(ctx, config: FullParamConfig, source: ModelSource, sd: Optional[dict],
+                cached: Optional[PreparedExport] = None) -> PreparedExport:
+    """The plan for ``source`` (``sd``: its sharded state dict, None for a file source).
+
+    A collective on every rank (cheap when nothing changed: one digest exchange); ``cached`` is
+    returned when every rank's parameters are those it was computed from.
+    """
+    _faults.point("plan")
+    from_files = source.tensors is not None
+    local = list(source.tensors.records()) if from_files else records_from_state_dict(ctx.rank, sd)
+    sig = digest(sorted((r.rank if from_files else 0, r.key, r.offset, r.shape, r.global_shape, r.dtype)
+                        for r in local))
+    world_sig = digest(ctx.all_gather_object(sig, what="plan: parameter signatures"))
+    if cached is not None and cached.signature == world_sig:
+        return cached
+    # with each rank's records, its padding rows: the pipeline stage holding the embedding tells the writer
+    flat = [] if from_files else sorted(k for k, sw in sd.items() if getattr(sw, "is_flattened", False))
+    gathered = ctx.mesh_gather_object((local, source.padding_rows, flat), "plan: shard records")
+    records = [r for per_rank, _, _ in gathered for r in per_rank]
+    padding_rows = {k: v for _, rows, _ in gathered for k, v in rows.items()}
+    flattened = sorted({k for _, _, keys in gathered for k in keys})
+    mapped = config.export.format != "paddle_safetensors"
+    error, prepared, plan_digest = None, None, None
+    try:
+        if flattened:
+            raise _flattened_error(flattened)
+        validate_records(records)
+        if ctx.mesh.size == 1 and not from_files:
+            _check_whole(records)
+        if mapped and source.mapping_for is not None:
+            source.aoa_config = source.mapping_for({r.key: tuple(r.global_shape) for r in records})
+        dmap = build_destination_map(shard_info_from_records(records), source.aoa_config if mapped else None)
+        if source.check_mapping is not None:
+            source.check_mapping(dmap)
+        zero_rows = padding_destinations(dmap, padding_rows)
+        specs = apply_export_dtype(dmap.specs, config.export.dtype)
+        plan = build_export_plan(specs, config.export.max_shard_bytes)
+        order = [s.name for f in plan.files for s in sorted(f.slots, key=lambda s: s.begin)]
+        writes = plan_writes(ctx.topology, [f.total_bytes for f in plan.files])
+        prepared = PreparedExport(world_sig, records, dmap, plan, order, writes, zero_rows)
+        plan_digest = digest([(f.name, f.header) for f in plan.files])
+    except Exception as e:  # reported on every rank below, never raised alone
+        error = f"{type(e).__name__}: {e}"
+    # every rank must hold the same plan: a rank alone in a collective would hang
+    outcomes = ctx.all_gather_object((error, plan_digest), what="plan: digests")
+    errors = [e for e, _ in outcomes if e]
+    if errors:
+        raise ExportError(f"export planning failed: {errors[0]}")
+    if len({d for _, d in outcomes}) != 1:
+        raise ExportError(
+            "ranks computed different export plans (their models differ in names, shapes or dtypes, "
+            "or their configs differ); refusing to export"
+        )
+    return prepared

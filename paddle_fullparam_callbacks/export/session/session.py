@@ -1,0 +1,330 @@
+"""One export, end to end: plan (cached), assemble, write, commit, point ``latest``, retain.
+
+The same flow serves one process and many ranks (``ctx``: see ``distributed.py``):
+
+1. metadata: the mesh's shard records (one exchange, the first time), checked for consistency;
+2. mapping and plans: destination tensors, shard files, the split of files across meshes and
+   writers; every rank must compute the same export plan (``planning.py``);
+3. the coordinator creates the staging directory and tells everyone its name;
+4. each mesh assembles its split (``streaming.py``); each rank writes only its own files, all at
+   the same time;
+5. status exchange: every rank learns whether every rank succeeded, and the per-file sizes and
+   checksum; on any failure everyone raises the same error and the coordinator removes staging;
+6. the coordinator writes index, config, tokenizer, manifest (last), renames, updates
+   ``latest`` and retention; a last exchange tells everyone the outcome (``finishing.py``).
+
+Everything that can be checked is checked before the first byte. A failure after that removes
+the staging directory: nothing half-written stays visible. With ``export.async_write`` steps 5-6
+run after training resumed (in the background with one rank; at the next export with several).
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Callable, List, Optional
+
+from ... import _faults
+from ...config.schema import FullParamConfig
+from ...plan.naming import format_snapshot_name, snapshot_step_pattern
+from .. import commit
+from .distributed import LocalContext
+from .exporters import Exporter, load_callable, make_exporter
+from .finishing import Committer, ExportJob, finish_local, new_run_id
+from ..commit.lock import release_on_signals
+from ..commit.manifest import clean_metrics
+from .planning import PreparedExport, plan_export
+from ..commit.retention import newest_run, next_seq
+from ..source import ExportError, ModelSource, SnapshotInfo
+from .streaming import progress_bar, stream_tensors
+from ..commit.watchdog import PROGRESS_DIR, Watchdog
+
+logger = logging.getLogger("paddle_fullparam_callbacks")
+
+
+class ExportSession:
+    """Holds what stays the same across a job's exports (the mapping and the plans)."""
+
+    def __init__(self, config: FullParamConfig, output_dir: "str | Path", fn: Optional[Callable] = None, ctx=None):
+        self.config = config
+        self.output_dir = Path(output_dir)
+        self.fn = fn
+        self.ctx = ctx or LocalContext()
+        self._prepared: Optional[PreparedExport] = None
+        self._pending: Optional[ExportJob] = None
+        self._atexit_registered = False
+        self._ring = None
+        self._lock = None
+        self._created_dir = False
+        self.is_open = False  # between start() and close()
+        self.pattern = snapshot_step_pattern(config.export.name_template)
+        self.committer = Committer(config, self.ctx, self.output_dir, self.pattern)
+
+    @property
+    def run_id(self) -> str:
+        return self.committer.run_id
+
+    def start(self, resume: bool = False) -> List[str]:
+        """Check output_dir, take its lock, remove leftovers of interrupted exports that are provably
+        this package's, and settle this job's run (coordinator); all ranks call it.
+
+        ``resume``: the trainer resumed from a checkpoint; the job continues the run of the newest
+        snapshot here (re-exporting its steps replaces them). Otherwise it is a new run, which never
+        replaces or deletes another run's snapshots (unless ``retention.other_runs: delete``).
+        """
+        removed: List[str] = []
+        error, run = None, (new_run_id(), 1)
+        if self.config.export.format == "callable" and self.fn is None:
+            self.fn = load_callable(self.config.export.callable)  # every rank: a ConfigError now, not at the first export
+        if self.ctx.is_coordinator and self.config.export.format != "callable":
+            try:
+                self._created_dir = not self.output_dir.exists()
+                commit.check_output_dir(self.output_dir)
+                commit.check_pointers(self.output_dir)
+                # one job per output_dir: only then are leftovers surely ours to remove
+                self._lock = commit.acquire_lock(self.output_dir, owner="another export session", holder=self)
+                release_on_signals(self._lock)
+                atexit.register(self._lock.release)
+                removed, _ = commit.cleanup_stale(self.output_dir)
+                run_id = (newest_run(self.output_dir, self.pattern) if resume else None) or run[0]
+                run = (run_id, next_seq(self.output_dir, self.pattern, run_id))
+            except (OSError, commit.OutputDirLocked) as e:
+                error = (type(e).__name__, str(e))
+        gathered = self.ctx.all_gather_object((error, run))
+        errors = [e for e, _ in gathered if e]
+        if errors:
+            kind, message = errors[0]
+            raise (commit.OutputDirLocked if kind == "OutputDirLocked" else OSError)(message)
+        self.committer.run_id, self.committer.seq = gathered[self.ctx.coordinator][1]
+        self._start_watchdog()
+        self.is_open = True
+        if self.ctx.is_coordinator and self.config.export.format != "callable":
+            logger.info("full-parameter snapshots go to %s (run %s)", self.output_dir, self.run_id)
+        if removed:
+            logger.info("removed %d leftover(s) of interrupted exports in %s: %s", len(removed), self.output_dir, removed)
+        return removed
+
+    def _start_watchdog(self) -> None:
+        """export.timeout_s, with several ranks: every collective of the package is watched."""
+        timeout = self.config.export.timeout_s
+        if self.ctx.world_size <= 1 or not timeout or self.ctx.watchdog is not None:
+            return
+        progress = self.output_dir / PROGRESS_DIR
+        try:
+            progress.mkdir(exist_ok=True)
+        except OSError:
+            progress = None  # the culprit will not be named; the timeout still holds
+        lock = self._lock
+        self.ctx.watchdog = Watchdog(timeout, self.ctx.rank, list(range(self.ctx.world_size)), progress,
+                                     on_expire=lock.release if lock is not None else None)
+
+    def close(self) -> None:
+        """Finish a pending background export and release the output directory (also done at exit)."""
+        self.wait_pending()
+        self.is_open = False
+        if self.ctx.watchdog is not None:
+            self.ctx.watchdog.close()
+            self.ctx.watchdog = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+            self._remove_if_unused()
+
+    def _remove_if_unused(self) -> None:
+        """An output_dir this job created and never exported into (e.g. the checkpoint hook wrote every
+        snapshot into the trainer's checkpoints) is removed again, with the package's own entries."""
+        if not self._created_dir:
+            return
+        try:
+            entries = {p.name for p in self.output_dir.iterdir()}
+            if entries - {PROGRESS_DIR}:
+                return
+            if PROGRESS_DIR in entries:
+                shutil.rmtree(self.output_dir / PROGRESS_DIR, ignore_errors=True)
+            self.output_dir.rmdir()
+        except OSError:
+            pass  # another process wrote into it meanwhile: it stays
+
+    def prepare(self, source: ModelSource, sharded_state_dict: Optional[dict] = None) -> PreparedExport:
+        """Mapping and plans; recomputed only when some rank's parameter names, shapes or dtypes change.
+
+        A collective on every rank (cheap when nothing changed: one digest exchange).
+        """
+        sd = sharded_state_dict
+        if sd is None and source.tensors is None:
+            sd = source.sharded_state_dict()
+        self._prepared = plan_export(self.ctx, self.config, source, sd, self._prepared)
+        if self.config.export.async_write and self._ring is None and self._pending is None:
+            self._host_ring()  # allocate and touch the staging memory now, not during the first export
+        return self._prepared
+
+    def export(self, source: ModelSource, step: int, metrics: Optional[dict] = None, reason: str = "",
+               into: Optional[Path] = None, name: Optional[str] = None) -> SnapshotInfo:
+        """Export ``step``. Collective: every rank calls it. With ``export.async_write`` it returns
+        once the tensors are assembled (``info.pending``); the next export or :meth:`wait_pending`
+        finishes the commit.
+
+        ``into``/``name``: commit the snapshot as ``into/name`` (e.g. inside a trainer checkpoint)
+        instead of ``output_dir/<name_template>``; no pointer or retention is touched then.
+        """
+        t0 = time.perf_counter()
+        if self.ctx.watchdog is not None:
+            self.ctx.watchdog.step = step
+        self.wait_pending()
+        ctx, cfg = self.ctx, self.config
+        out_dir = Path(into) if into is not None else self.output_dir
+        name = name or format_snapshot_name(cfg.export.name_template, step)
+        try:
+            exporter: Exporter = make_exporter(cfg.export, self.fn, self._host_ring())
+            sd = source.sharded_state_dict() if source.tensors is None else None
+        except Exception as e:  # the same on every rank, before any collective: through on_error
+            raise ExportError(f"export of step {step} failed before it started: {type(e).__name__}: {e}") from e
+        p = self.prepare(source, sd)
+        mesh_files = p.writes.files_of_mesh(ctx.mesh.index)
+        my_files = p.writes.files_of_rank(ctx.rank)
+        if not exporter.writes_files:  # callable: the mesh's tensors go to fn on each rank of the mesh
+            my_files = mesh_files
+        targets = [n for n in p.order if p.plan.slots[n].file_index in set(mesh_files)]
+        keep = {n for n in targets if p.plan.slots[n].file_index in set(my_files)}
+
+        # the coordinator makes the staging directory and tells everyone its name
+        staging, error = None, None
+        if exporter.writes_files and ctx.is_coordinator:
+            try:
+                commit.check_output_dir(out_dir)
+                self.committer.check_target(out_dir / name)
+                staging = commit.new_staging_dir(out_dir, name, self.run_id)
+            except OSError as e:
+                error = f"{type(e).__name__}: {e}"
+        first = ctx.all_gather_object((str(staging) if staging else None, error), what="staging")[ctx.coordinator]
+        if first[1]:
+            raise ExportError(f"export of step {step} to {out_dir / name} failed: {first[1]}")
+        _faults.point("staging")
+        job = ExportJob(name, step, reason, metrics, p, Path(first[0]) if first[0] else None, exporter, source,
+                        len(keep), t0, time.perf_counter(), out_dir=out_dir, pointers=into is None)
+        self._assemble_and_write(job, sd, targets, keep, my_files)
+        if cfg.export.async_write and exporter.writes_files and job.error is None:
+            # training resumes now; the writer drains in the background (and, single-process,
+            # commits there too; with several ranks the commit needs collectives, so the next
+            # export / wait_pending() does it on the training thread)
+            job.thread = threading.Thread(target=self._background, args=(job,), name="pfc-commit", daemon=True)
+            job.thread.start()
+            self._pending = job
+            if not self._atexit_registered:
+                atexit.register(self._wait_at_exit)
+                self._atexit_registered = True
+            stall = job.stall_s = time.perf_counter() - t0
+            return SnapshotInfo(name, step, out_dir / name, 0, 0, p.plan.num_tensors, stall,
+                                {"stall_s": stall}, reason, pending=True, stall_s=stall)
+        finish_local(job, ctx.rank)
+        return self.committer.finish_global(job)
+
+    def _assemble_and_write(self, job: ExportJob, sd, targets: List[str], keep: set, my_files) -> None:
+        """Assemble and write; an error stops this rank's writing, never its part in the collectives."""
+        ctx, p = self.ctx, job.p
+        progress = progress_bar(ctx.is_coordinator, sum(p.plan.slots[n].nbytes for n in keep), job.name)
+        beat = ctx.watchdog.beat if ctx.watchdog is not None else (lambda: None)
+        try:
+            job.exporter.begin(p.plan, job.staging, job.step, my_files)
+            with ctx.waiting("assembly", ctx.mesh_ranks):  # export.timeout_s: no tensor for that long ends the job
+                for tname, tensor in stream_tensors(ctx, self.config, sd, p, job.source, targets, keep,
+                                                    job.exporter.wait_for_room):
+                    beat()
+                    if job.error is None:
+                        try:
+                            # an embedding's padding row goes out as zeros
+                            job.exporter.write(tname, tensor, zero_row=p.zero_rows.get(tname))
+                            job.seen += 1
+                            _faults.point("tensor")
+                            progress.update(p.plan.slots[tname].nbytes)
+                        except Exception as e:
+                            job.error = f"{type(e).__name__}: {e}"
+                    tensor = None  # not held while the next one is read (the writer keeps what it still needs)
+        except Exception as e:
+            job.error = job.error or f"{type(e).__name__}: {e}"
+        finally:
+            progress.close()
+        job.t_stream = time.perf_counter()
+
+    def _host_ring(self):
+        """Host memory reused by every background export (pre-faulted once): see HostRing.
+
+        ``export.max_pending_bytes``, or less when this rank's files are smaller."""
+        if not self.config.export.async_write or self.config.export.format == "callable":
+            return None
+        if self._ring is None:
+            from .host import HostRing
+
+            size = self.config.export.max_pending
+            if self._prepared is not None:
+                p = self._prepared
+                mine = sum(p.plan.files[i].data_bytes for i in p.writes.files_of_rank(self.ctx.rank))
+                size = max(1, min(size, mine))
+            self._ring = HostRing(size)
+        self._ring.reset()  # the previous export has finished (wait_pending ran first)
+        return self._ring
+
+    def wait_pending(self) -> Optional[SnapshotInfo]:
+        """Finish a background (async_write) export: wait for its bytes, commit, report errors.
+
+        Collective with several ranks. Returns its SnapshotInfo, or None if nothing was pending.
+        """
+        job, self._pending = self._pending, None
+        if job is None:
+            return None
+        job.thread.join()
+        if self.ctx.world_size > 1:
+            return self.committer.finish_global(job)
+        if job.exception is not None:
+            raise job.exception
+        return job.info
+
+    def annotate(self, step: int, metrics: dict) -> None:
+        """Add evaluation metrics to the committed snapshot of ``step`` (the manifest is replaced
+        atomically), then refresh ``best`` and retention. Every rank calls it; the coordinator acts."""
+        self.wait_pending()
+        name = format_snapshot_name(self.config.export.name_template, step)
+        path = self.output_dir / name / commit.MANIFEST
+        if not self.ctx.is_coordinator or not path.is_file():
+            return
+        manifest = json.loads(path.read_text())
+        manifest["metrics"] = {**(manifest.get("metrics") or {}), **clean_metrics(metrics)}
+        tmp = path.with_name(f".{commit.MANIFEST}.tmp")
+        _faults.point("annotate")
+        commit.write_json_durable(tmp, manifest)
+        os.replace(tmp, path)
+        commit.fsync_dir(path.parent)
+        self.committer.after_commit(name)
+
+    def _wait_at_exit(self) -> None:
+        """Interpreter exit: a single-process background commit is finished, not lost.
+
+        (With several ranks the commit needs collectives, which cannot run at exit; the trainer's
+        on_train_end finishes it. A job killed before that leaves only its .tmp-* directory.)"""
+        if self._pending is None:
+            return
+        if self.ctx.world_size > 1:
+            logger.warning("exiting with the background export of %s uncommitted (several ranks: it needs the "
+                           "next trainer event); only its staging directory remains", self._pending.name)
+            return
+        try:
+            self.wait_pending()
+        except Exception as e:  # at exit: report, never raise
+            logger.error("the background export failed at exit: %s", e)
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def _background(self, job: ExportJob) -> None:
+        finish_local(job, self.ctx.rank)
+        if self.ctx.world_size == 1:
+            try:
+                job.info = self.committer.finish_global(job)
+            except BaseException as e:  # handed to wait_pending
+                job.exception = e

@@ -1,0 +1,94 @@
+"""Where the full tensors come from: the assembler that fits the source and the mesh.
+
+``stream_tensors`` yields ``(destination name, full tensor)`` in the plan's file order, for the
+destinations of this rank's mesh; every rank of the mesh takes part in its collectives even when
+it keeps none of them (``keep``: the destinations this rank writes).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, Iterator, List, Tuple
+
+from ...assemble.local import LocalAssembler
+from ...assemble.mapping import MappingError
+from ...assemble.mesh import MeshAssembler
+from ...config.schema import FullParamConfig
+from .planning import PreparedExport
+from ..source import ModelSource
+
+logger = logging.getLogger("paddle_fullparam_callbacks")
+
+
+def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: ModelSource,
+                   targets: List[str], keep: set, room=None) -> Iterator[Tuple[str, object]]:
+    """``room(nbytes)``: waits until the writer can take a tensor that large (file sources only: a live
+    model's tensors exist already, a file's are read on demand)."""
+    mapped = config.export.format != "paddle_safetensors"
+    if source.tensors is not None:  # slices in files (convert): read and assembled here, no communication
+        from ...assemble.files import FileAssembler
+
+        wait = None if room is None else (lambda name: room(p.plan.slots[name].nbytes))
+        asm = FileAssembler(source.tensors, p.dmap, config.export.dtype, room=wait)
+        yield from asm.run([n for n in targets if n in keep])
+        return
+    if config.assembler == "paddle":
+        from ...assemble.paddle_ref import run_paddle_full_param
+
+        if ctx.world_size == 1 or ctx.mesh.size > 1:
+            # Paddle's HV path needs both groups (a one-rank group for a 1-D mesh); each mesh
+            # assembles everything (Paddle splits by sorted names, not by our files) and keeps its own
+            kwargs = {}
+            if ctx.mesh.size > 1:
+                kwargs = {"h_group": getattr(ctx, "paddle_h_group", None) or ctx.h_group,
+                          "v_group": getattr(ctx, "paddle_v_group", None) or ctx.v_group}
+            for name, t in run_paddle_full_param(sd, source.aoa_config if mapped else None, config.export.dtype, **kwargs):
+                if name in keep:
+                    yield name, t
+            return
+        # a mesh of one inside a multi-rank job: Paddle's full_param would take its
+        # single-group path (it decides by the world size) and call .cuda(); assemble locally
+        logger.warning("assembler=paddle: a mesh of one rank uses the builtin local assembler (no communication)")
+    if ctx.mesh.size == 1:
+        yield from LocalAssembler(sd, p.dmap, config.export.dtype).run([n for n in targets if n in keep])
+        return
+    asm = MeshAssembler(sd, p.records, p.dmap, targets, keep, ctx.mesh, ctx.rank, ctx.h_group, ctx.v_group,
+                        config.export.dtype, config.topology.bucket_for(ctx.mesh.size))
+    _check_replicas(ctx, asm)
+    yield from asm.run()
+    if asm.errors:
+        raise MappingError(asm.errors[0])
+
+
+def _check_replicas(ctx, asm: MeshAssembler) -> None:
+    """Replicas inside the mesh must agree before the lowest rank's copy stands for all."""
+    held = ctx.mesh_gather_object(asm.replica_digests(), "assembly: replica digests")
+    merged: Dict[int, Dict[str, int]] = {}
+    for r, digests in zip(ctx.mesh.ranks_in_gather_order(), held):
+        for item_id, d in digests.items():
+            merged.setdefault(item_id, {}).setdefault(d, r)
+    for item_id, by_digest in sorted(merged.items()):
+        if len(by_digest) > 1:
+            it = asm.items[item_id]
+            raise MappingError(
+                f"parameter {it.key!r}: ranks {sorted(by_digest.values())} hold the same slice at "
+                f"{list(it.offset)} with different values (replicas out of sync)"
+            )
+
+
+class _NoProgress:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def progress_bar(show: bool, total: int, name: str):
+    """A tqdm bar on the coordinator, shown only when the export takes more than 2 seconds."""
+    if not show:
+        return _NoProgress()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoProgress()
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"export {name}", delay=2.0, leave=False)

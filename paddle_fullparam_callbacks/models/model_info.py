@@ -1,0 +1,358 @@
+"""What the exporter needs from a live model: its sharded state dict, mapping, HF config."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any, Optional, Tuple
+
+from ..config.schema import FullParamConfig
+from ..assemble.mapping import MappingError
+from ..export.source import ModelSource
+from .mappings import check_destination_names, resolve_mapping
+
+logger = logging.getLogger("paddle_fullparam_callbacks")
+
+
+def unwrap_model(model):
+    """The user's Layer inside DataParallel / fleet / PipelineParallel wrappers."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = getattr(model, "_layers", None) or getattr(model, "_layer", None)
+        if inner is None:
+            break
+        model = inner
+    return model
+
+
+def framework_of(model) -> str:
+    root = type(model).__module__.split(".")[0]
+    return root if root in ("paddleformers", "paddlenlp") else "paddle"
+
+
+# runtime switches of the Paddle config that would change what an HF model returns or how it runs;
+# use_cache among them: the PaddleFormers Trainer sets it on the live config from
+# TrainingArguments.use_cache (default False) while it trains, and a snapshot is for inference
+# (left out, the loading class's default applies: the KV cache on)
+_RUNTIME_KEYS = ("return_dict", "output_hidden_states", "output_attentions", "torchscript", "use_cache")
+# generation settings belong in generation_config.json, not config.json (transformers >= 4.41 warns)
+_GENERATION_KEYS = (
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens",
+)
+
+
+def _jsonable(obj):
+    try:
+        json.dumps(obj)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _layer_weight(layer):
+    """An embedding or LM head layer's matrix (PaddleNLP's Bloom/OPT heads call it ``decoder_weight``)."""
+    for attr in ("weight", "decoder_weight"):
+        w = getattr(layer, attr, None)
+        if w is not None:
+            return w
+    return None
+
+
+def _embedding(model, which: str):
+    try:
+        layer = getattr(model, f"get_{which}_embeddings")()
+    except (AttributeError, NotImplementedError):
+        return None
+    return _layer_weight(layer) if layer is not None else None
+
+
+def _key_of(sharded_state_dict, tensor) -> Optional[str]:
+    for key, sw in sharded_state_dict.items():
+        if sw.local_tensor is tensor:
+            return key
+    return None
+
+
+_LM_HEAD = re.compile(r"(.*\.)?lm_head\.(decoder_)?weight$")
+
+
+def output_embedding(model, sharded_state_dict) -> Tuple[Optional[str], bool]:
+    """(the LM head's key in the sharded state dict, whether it *is* the input embedding).
+
+    Decided by identity, never by the config's claim alone: PaddleNLP 2.8's Llama accepts
+    ``tie_word_embeddings=True`` but keeps a separate head, and its OPT defaults to that claim
+    while its head (``lm_head.decoder_weight``) is always its own parameter.
+    """
+    config = getattr(model, "config", None)
+    claimed = bool(getattr(config, "tie_word_embeddings", False))
+    inp, out = _embedding(model, "input"), _embedding(model, "output")
+    if out is None:  # no accessor: the matrix of the model's lm_head, if it has one
+        heads = (sw.local_tensor for k, sw in sharded_state_dict.items() if _LM_HEAD.match(k))
+        out = next(heads, None)
+    if inp is None or out is None:
+        # nothing to compare: the claim stands (a preset refuses a claim its architecture contradicts)
+        return None, claimed
+    tied = out is inp
+    if claimed and not tied:
+        logger.warning(
+            "%s: config says tie_word_embeddings=True but the LM head has its own weight; "
+            "exporting it and writing tie_word_embeddings=false", type(model).__name__,
+        )
+    return _key_of(sharded_state_dict, out), tied
+
+
+def weights_tied(model) -> bool:
+    """Whether the output embedding *is* the input embedding (see :func:`output_embedding`)."""
+    return output_embedding(model, model.sharded_state_dict())[1]
+
+
+# parallel-degree keys of PaddleFormers / PaddleNLP configs: a snapshot is a single-process model,
+# so they take the framework's single-process default (a reload with tensor_model_parallel_size=2
+# on one process fails in PaddleFormers)
+_PARALLEL_KEY = re.compile(
+    r"^((tensor|pipeline|context|sep|expert|virtual_pipeline)_(model_)?parallel_(size|degree|rank)"
+    r"|tensor_parallel_(degree|rank|output)|sequence_parallel|sep_parallel_(size|degree))$"
+)
+# keys of the frameworks' generic config base class that transformers reads too
+_HF_COMMON = {"architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"}
+
+
+def _config_dict(config) -> dict:
+    try:
+        return dict(config.to_dict(saving_file=True))
+    except TypeError:
+        return dict(config.to_dict())
+
+
+def _generic_defaults(config) -> dict:
+    """The framework's generic ``PretrainedConfig()`` values (training and parallel machinery)."""
+    for cls in type(config).__mro__:
+        if cls.__name__ == "PretrainedConfig":
+            try:
+                return _config_dict(cls())
+            except Exception:  # a framework whose base config needs arguments: keep everything
+                return {}
+    return {}
+
+
+def parallel_degrees(config) -> dict:
+    """The parallel-degree keys of the model config as the job built it (e.g. tensor_parallel_degree)."""
+    if config is None:
+        return {}
+    return {k: v for k, v in _config_dict(config).items() if _PARALLEL_KEY.match(k) and isinstance(v, int)
+            and not isinstance(v, bool)}
+
+
+def single_process_config(config) -> dict:
+    """The model config as the framework's single-process ``save_pretrained`` would describe it.
+
+    Every architecture key stays explicit (transformers would otherwise fill in its own defaults,
+    which need not be the framework's); parallel-degree keys take their single-process value; the
+    framework's generic keys left at their defaults are dropped (they are training machinery,
+    e.g. recompute and fusion switches, that neither transformers nor a reload needs spelled out).
+    """
+    raw = _config_dict(config)
+    base = _generic_defaults(config)
+    drop = set(_RUNTIME_KEYS) | set(_GENERATION_KEYS)
+    out = {}
+    for k, v in raw.items():
+        if k.startswith("_") or k in drop or not _jsonable(v):
+            continue
+        if k in base and k not in _HF_COMMON:
+            if _PARALLEL_KEY.match(k) or v == base[k]:
+                continue
+        out[k] = v
+    return out
+
+
+def hf_config_dict(model, tied: bool, preset=None) -> Optional[dict]:
+    """config.json content for transformers: the single-process model config, HF's required keys set.
+
+    For a pipeline model (PaddleFormers' ``*ForCausalLMPipe``) it is the config of its plain
+    causal-LM class (``pipe.py``): that class's name and initializer values, no
+    pipeline- or parallel-only keys.
+
+    ``preset``: a mapping preset of this package; its ``hf_config`` translates the keys and it
+    names the Hugging Face architecture (a framework's own mapping keeps the framework's names).
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    from .pipe import is_pipeline_model, plain_config
+
+    out = single_process_config(config)
+    if is_pipeline_model(model):
+        # a *ForCausalLMPipe rewrote its config in place (see pipe.py): the snapshot
+        # describes the plain causal-LM class, with the config that class would have
+        out = plain_config(model, out, single_process_config)
+    q = out.get("quantization_config")
+    if not (isinstance(q, dict) and q.get("quant_method")):
+        out.pop("quantization_config", None)  # an empty Paddle quant config would make HF try to quantize
+    for key in ("dtype", "torch_dtype"):
+        out.pop(key, None)  # set by the exporter from the exported dtype
+    if preset is not None:
+        if preset.hf_config is not None:
+            out = preset.hf_config(out)
+        out["architectures"] = [preset.hf_architecture]
+        out["model_type"] = preset.hf_model_type
+    else:
+        out["architectures"] = [plain_class_name(model)]
+    out["tie_word_embeddings"] = bool(tied)
+    return out
+
+
+def plain_class_name(model) -> str:
+    """The single-process causal-LM class a snapshot describes, by its Hugging Face name:
+    ``LlamaForCausalLMPipe`` -> ``LlamaForCausalLM`` (the class the pipeline class borrows its name
+    mapping from, see ``pipe.py``), PaddleFormers' ``Qwen2ForCausalLMPipeDeprecated`` ->
+    ``Qwen2ForCausalLMDeprecated`` -> ``Qwen2ForCausalLM`` (its pure-Paddle implementation of that class)."""
+    from .pipe import plain_counterpart
+
+    plain = plain_counterpart(model)
+    name = plain.__name__ if plain is not None else type(model).__name__
+    for suffix in ("Deprecated", "Pipe"):
+        name = name[: -len(suffix)] if name.endswith(suffix) else name
+    return name
+
+
+def generation_config_dict(model) -> Optional[dict]:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    out = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if getattr(config, k, None) is not None}
+    return out or None
+
+
+def embedding_padding_row(model, sharded_state_dict) -> Optional[Tuple[str, int]]:
+    """(source key, row) when the input embedding has a Paddle ``padding_idx``: Paddle returns
+    zeros for that id whatever the row holds; torch returns the row."""
+    from .pipe import input_embedding, is_pipeline_model
+
+    try:
+        layer = input_embedding(model) if is_pipeline_model(model) else model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    pad = getattr(layer, "_padding_idx", None)
+    weight = _layer_weight(layer) if layer is not None else None
+    key = _key_of(sharded_state_dict, weight) if weight is not None else None
+    if pad is None or isinstance(pad, bool) or key is None:
+        return None
+    sw = sharded_state_dict[key]
+    if tuple(sw.global_shape) != tuple(sw.local_shape):
+        return None  # sharded over ranks: Paddle's parallel embeddings have no padding index
+    return key, int(pad) if pad >= 0 else int(weight.shape[0]) + int(pad)
+
+
+def _check_mapping(dmap, resolved, spec, tied: bool, lm_head_source: Optional[str]) -> None:
+    """Refuse mappings that would make transformers fill in random weights, before any byte."""
+    check_destination_names(dmap.names, resolved.destination_pattern, spec)
+    head = resolved.preset.lm_head if resolved.preset is not None else "lm_head.weight"
+    if resolved.vouched:
+        # a framework's mapping or a preset names every tensor it exports (PaddleFormers' list even
+        # the identity renames); a source no statement touched keeps its Paddle name, which
+        # transformers does not know (PaddleFormers 1.2's Qwen3-Next passes eleven fused tensors
+        # through). Only the LM head already under its HF name may pass (tied, transformers ties
+        # it to the embedding it equals).
+        allowed = {head} if head else set()
+        stray = sorted(n for n in dmap.passthrough if n not in allowed)
+    else:
+        # a mapping of the user's may leave names alone, but not a family it converts elsewhere
+        converted = {_family(n) for n in dmap.transformed}
+        stray = sorted(n for n in dmap.passthrough if _family(n) in converted)
+    if stray:
+        more = f" and {len(stray) - 3} more" if len(stray) > 3 else ""
+        raise MappingError(
+            f"the name mapping ({resolved.source}) exports {stray[:3]}{more} under Paddle names no statement maps: "
+            "transformers would not find these weights and would initialise them at random. "
+            "Give a complete mapping with export.aoa (a preset, a file or a list of statements); a tensor meant to "
+            "keep its name can be renamed to itself ('a -> a')"
+        )
+    if not tied and lm_head_source is not None and head and head not in dmap.spec_by_name:
+        raise MappingError(
+            f"the model has its own output embedding ({lm_head_source}) but the name mapping ({resolved.source}) "
+            f"exports no {head!r}: transformers would initialise the LM head at random. Give a mapping that "
+            "exports it with export.aoa"
+        )
+
+
+def _family(name: str) -> str:
+    return re.sub(r"\.\d+\.", ".N.", name)
+
+
+def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) -> ModelSource:
+    """Everything the export layer needs, from the (unwrapped) model; validates the mapping names.
+
+    The mapping is resolved here from this rank's tensors (so that a bad ``export.aoa`` fails at
+    once), and again when the export plans, from every mesh rank's tensors (a pipeline stage holds
+    only its own layers; a preset writes statements for the whole model).
+    """
+    from .pipe import single_named
+    from .shard_fixes import fixed_sharded_state_dict  # tensor-parallel entries that contradict their layer
+
+    model = unwrap_model(model)
+    if not hasattr(model, "sharded_state_dict"):
+        raise TypeError(
+            f"{type(model).__name__} has no sharded_state_dict(): the exporter needs a paddle.nn.Layer "
+            "(Paddle >= 3.3) so that every parameter reports its global shape and offset"
+        )
+    read = fixed_sharded_state_dict(model, single_named(model))
+    hf = config.export.format == "hf_safetensors"
+    sd = read()
+    lm_head, tied = output_embedding(model, sd)
+    resolved, mapping_for, check, notes, padding = None, None, None, {}, {}
+    if config.export.format != "paddle_safetensors":
+        spec = config.export.aoa
+        model_config = getattr(model, "config", None)
+        kwargs = dict(tied=tied, config=single_process_config(model_config) if model_config is not None else None,
+                      parallel=parallel_degrees(model_config))
+        resolved = resolve_mapping(spec, model, {k: tuple(sw.global_shape) for k, sw in sd.items()}, **kwargs)
+        state = {"resolved": resolved}
+
+        def mapping_for(shapes):  # every mesh rank's tensors: the mapping of the whole model
+            whole = resolve_mapping(spec, model, shapes, **kwargs)
+            state["resolved"] = whole
+            notes["mapping"] = whole.source
+            notes.pop("mapping_repairs", None)
+            if whole.repairs:
+                notes["mapping_repairs"] = whole.repairs
+                if state.get("logged") != whole.repairs:  # the repairs of the whole model, once
+                    state["logged"] = whole.repairs
+                    for r in whole.repairs:
+                        logger.warning("%s: %s", whole.source, r)
+            return whole.aoa_config
+
+        notes["mapping"] = resolved.source
+        check = lambda dmap: _check_mapping(dmap, state["resolved"], spec, tied, lm_head)  # noqa: E731
+        pad = embedding_padding_row(model, sd) if hf else None
+        if pad is not None:
+            key, row = pad
+            if tied:
+                # the row is also an output row: zeroing it would change the logits of token `row`
+                notes["padding_row_kept"] = {key: row}
+                logger.warning(
+                    "%s: the input embedding has padding_idx=%d (Paddle returns zeros for that id) and is tied to "
+                    "the LM head; the snapshot keeps the stored row, so transformers embeds id %d as that row",
+                    type(model).__name__, row, row)
+            else:
+                padding[key] = row
+    return ModelSource(
+        sharded_state_dict=read,
+        aoa_config=resolved.aoa_config if resolved else None,
+        mapping_for=mapping_for,
+        hf_config=hf_config_dict(model, tied, resolved.preset if resolved else None) if hf else None,
+        generation_config=generation_config_dict(model) if hf else None,
+        tokenizer=tokenizer,
+        framework=framework_of(model),
+        check_mapping=check,
+        padding_rows=padding,
+        notes=notes,
+    )
+
+
+__all__ = ["build_model_source", "hf_config_dict", "single_process_config", "unwrap_model"]

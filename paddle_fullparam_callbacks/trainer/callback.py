@@ -1,0 +1,228 @@
+"""``FullParamExportCallback``: full-parameter HF snapshots from inside a Trainer.
+
+Works unchanged with the PaddleFormers and the PaddleNLP Trainer: both call
+``callback.on_<event>(args, state, control, model=..., tokenizer=..., ...)``; this class does not
+subclass either framework's ``TrainerCallback`` (so importing it needs neither), and answers
+every event it does not use with a no-op.
+
+One line::
+
+    trainer.add_callback(FullParamExportCallback(output_dir="snapshots", overrides=["trigger.every_n_steps=100"]))
+
+or from a recipe::
+
+    FullParamExportCallback.from_recipe("hf_every_n_steps", overrides=["retention.keep_last=3"])
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Iterable, List, Optional
+
+from ..config.recipes import coerce_config
+from ..config.schema import FullParamConfig
+from ..export.session.session import ExportSession
+from ..export.source import ExportError, SnapshotInfo
+from ..plan.decisions import Decision, decide
+from ..models.model_info import build_model_source, unwrap_model
+from .paths import check_trainer_paths
+from .topology import build_context, expert_axes_of
+
+logger = logging.getLogger("paddle_fullparam_callbacks")
+
+
+class FullParamExportCallback:
+    """Export full-parameter snapshots at save / eval / every-N-steps / train-end boundaries.
+
+    Args:
+        config: a :class:`FullParamConfig`, a recipe name or path, a dict of recipe keys, or None.
+        overrides: ``key=value`` recipe overrides applied on top of ``config``.
+        output_dir: shortcut for the ``output_dir`` key.
+        fn: the function for ``export.format=callable``: ``fn(name, tensor, step=...)``.
+    """
+
+    def __init__(
+        self,
+        config: "FullParamConfig | str | dict | None" = None,
+        *,
+        overrides: Iterable[str] = (),
+        output_dir: Optional[str] = None,
+        fn: Optional[Callable] = None,
+    ):
+        overrides = list(overrides)
+        if output_dir is not None:
+            overrides.append(f"output_dir={output_dir}")
+        self.config: FullParamConfig = coerce_config(config, overrides)
+        self.fn = fn
+        self.session: Optional[ExportSession] = None
+        self.snapshots: List[SnapshotInfo] = []
+        self.errors: List[str] = []
+        self.events: List[str] = []  # the exports made: "reason@step"
+        self.decisions: List[str] = []  # every decision, exports and skips: "reason@step"
+        self.trainer = None  # set by attach(): stall seconds then go through trainer.log
+        self._hooked = False
+        self._last_time: Optional[float] = None
+        self._last_step: Optional[int] = None
+        self._source = None
+
+    @classmethod
+    def from_recipe(cls, recipe, overrides: Iterable[str] = (), **kwargs) -> "FullParamExportCallback":
+        return cls(recipe, overrides=overrides, **kwargs)
+
+    def __getattr__(self, name: str):
+        # every trainer event we do not use (on_log, on_step_begin, on_optimizer_end, ...)
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    # ---- setup -----------------------------------------------------------------------------
+    def _output_dir(self, args) -> Path:
+        if self.config.output_dir:
+            return Path(self.config.output_dir)
+        base = getattr(args, "output_dir", None) or "."
+        return Path(base) / "fullparam"
+
+    def _setup(self, args, state, model, tokenizer) -> None:
+        """Validate everything (output dir, mapping, plan) and create the groups, before the first step.
+
+        Collective: every rank of the job calls it, at on_train_begin. A trainer that starts at a
+        step > 0 resumed from a checkpoint: the job continues the run of the snapshots there.
+        """
+        if self.session is not None and self.session.is_open:
+            return
+        check_trainer_paths(self.config, self._output_dir(args), getattr(args, "output_dir", None))
+        ctx = build_context(args, self.config.topology.sharding_stage, expert_axes_of(unwrap_model(model)))
+        session = ExportSession(self.config, self._output_dir(args), fn=self.fn, ctx=ctx)
+        session.start(resume=bool(getattr(state, "global_step", 0)))
+        self._source = build_model_source(model, self.config, tokenizer)
+        session.prepare(self._source)
+        self.session = session
+
+    # ---- events ----------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, tokenizer=None, **kwargs):
+        if self.config.enabled and model is not None:
+            self._setup(args, state, model, tokenizer if tokenizer is not None else kwargs.get("processing_class"))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        n = self.config.trigger.every_n_steps
+        if n and state.global_step > 0 and state.global_step % n == 0:
+            self._event(args, state, kwargs, "every_n_steps")
+
+    def on_save(self, args, state, control, **kwargs):
+        # with the checkpoint hook, the save-time snapshot goes into checkpoint-N/ instead
+        if self.config.trigger.exports_on_save and not self._hooked:
+            self._event(args, state, kwargs, "save")
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        metrics = dict(metrics or {})
+        if self.config.trigger.on_evaluate or self.config.retention.metric:
+            self._event(args, state, kwargs, "evaluate", metrics)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.config.trigger.on_train_end:
+            self._event(args, state, kwargs, "train_end")
+        self._finish_pending(state)
+        if self.session is not None:
+            # the output directory is this training's while it runs; a later train() (a resume in
+            # the same process) sets up again
+            self.session.close()
+
+    def export_into_checkpoint(self, args, state, model, tokenizer=None) -> Optional[SnapshotInfo]:
+        """The checkpoint hook: the snapshot of this step goes into ``<output_dir>/checkpoint-N/<subdir>``,
+        committed atomically like any snapshot, so the trainer's rotation removes both together."""
+        if not self.config.enabled:
+            return None
+        if self.session is None or not self.session.is_open:
+            self._setup(args, state, model, tokenizer)
+        step = int(state.global_step)
+        ckpt = Path(args.output_dir) / f"checkpoint-{step}"
+        self._finish_pending(state)
+        self.events.append(f"checkpoint@{step}")
+        return self._run(lambda: self.session.export(self._source, step, reason="checkpoint", into=ckpt,
+                                                     name=self.config.checkpoint_hook.subdir), state)
+
+    # ---- decisions -------------------------------------------------------------------------
+    def _decide(self, reason: str, step: int, metrics: Optional[dict]) -> Decision:
+        """Taken on the coordinator and shared: every rank acts on the same decision and metric."""
+        ctx = self.session.ctx
+        proposal = None
+        if ctx.is_coordinator:
+            try:
+                d = decide(reason, step, time.time(), self._last_step, self._last_time,
+                           self.config.trigger.min_interval_s,
+                           self.config.retention.metric if reason == "evaluate" else None, metrics)
+                if reason == "evaluate" and not self.config.trigger.on_evaluate:
+                    d = Decision(False, "track: metric only", step, d.metric)
+                proposal = (d.export, d.reason, d.metric, None)
+            except (KeyError, ValueError) as e:
+                proposal = (False, "error", None, str(e.args[0]) if e.args else str(e))
+        if ctx.watchdog is not None:
+            ctx.watchdog.step = step
+        export, why, metric, err = ctx.all_gather_object(proposal, what="decision")[ctx.coordinator]
+        if err:
+            raise ValueError(err)
+        return Decision(export, why, step, metric)
+
+    def _event(self, args, state, kwargs, reason: str, metrics: Optional[dict] = None) -> Optional[SnapshotInfo]:
+        if not self.config.enabled:
+            return None
+        if self.session is None or not self.session.is_open:
+            model = kwargs.get("model")
+            if model is None:
+                return None
+            self._setup(args, state, model, kwargs.get("tokenizer") or kwargs.get("processing_class"))
+        step = int(state.global_step)
+        d = self._decide(reason, step, metrics)
+        self.decisions.append(f"{d.reason}@{step}")
+        if reason == "evaluate" and d.metric is not None and not d.export and step == self._last_step:
+            # the step was exported by an earlier trigger (e.g. every_n_steps before the evaluation):
+            # its snapshot gets the metric, so best-by-metric sees it
+            self._finish_pending(state)
+            self.session.annotate(step, {self.config.retention.metric: d.metric, **(metrics or {})})
+        if not d.export:
+            return None
+        self._finish_pending(state)
+        self._last_step, self._last_time = step, time.time()
+        self.events.append(f"{reason}@{step}")
+        tokenizer = kwargs.get("tokenizer") or kwargs.get("processing_class")
+        if tokenizer is not None:
+            self._source.tokenizer = tokenizer
+        return self._run(lambda: self.session.export(self._source, step, metrics=metrics if reason == "evaluate" else None,
+                                                     reason=reason), state)
+
+    def _run(self, export_fn, state) -> Optional[SnapshotInfo]:
+        try:
+            info = export_fn()
+        except ExportError as e:
+            self._report(e)
+            return None
+        self._record(info, state)
+        return info
+
+    def _finish_pending(self, state) -> None:
+        """Wait for a background export to commit (collective); its errors are reported here."""
+        if self.session is None or not self.session.has_pending:
+            return
+        try:
+            info = self.session.wait_pending()
+        except ExportError as e:
+            self._report(e)
+            return
+        if info is not None:
+            self.snapshots = [info if (s.pending and s.name == info.name) else s for s in self.snapshots]
+
+    def _report(self, e: Exception) -> None:
+        self.errors.append(str(e))
+        if self.config.on_error == "raise":
+            raise e
+        logger.warning("full-parameter export failed, training continues (on_error=warn): %s", e)
+
+    def _record(self, info: SnapshotInfo, state) -> None:
+        self.snapshots.append(info)
+        entry = {"fullparam/stall_s": round(info.stall_s, 4), "fullparam/snapshot": info.name, "step": info.step}
+        if self.trainer is not None and hasattr(self.trainer, "log"):
+            # on every rank, as the trainer itself logs (its loggers write on rank 0 only)
+            self.trainer.log({"fullparam/stall_s": round(info.stall_s, 4)})
+        elif state is not None and hasattr(state, "log_history"):
+            state.log_history.append(entry)

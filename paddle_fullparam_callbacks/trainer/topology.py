@@ -1,0 +1,125 @@
+"""From the live job to a :class:`DistContext`: axes, sharding stage, mesh groups.
+
+Groups come from Paddle's ``HybridCommunicateGroup`` where it has them (the tensor-parallel
+group is a mesh row, the pipeline group a mesh column); any other group the plan needs is
+created here, collectively, in one fixed order on every rank. This runs at ``on_train_begin``,
+never inside an export.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from ..export.session.distributed import DistContext, LocalContext
+from ..plan.topology import TopologyPlan, plan_topology
+
+logger = logging.getLogger("paddle_fullparam_callbacks")
+
+
+def _hcg():
+    try:
+        from paddle.distributed import fleet
+
+        return fleet.get_hybrid_communicate_group()
+    except Exception:  # fleet not initialised: plain data parallelism
+        return None
+
+
+def sharding_stage_of(args) -> int:
+    """The sharding stage from TrainingArguments (``sharding="stage1"``, ["stage2", ...]); 1 if none."""
+    value = getattr(args, "sharding", None) if args is not None else None
+    if not value:
+        return 1
+    items = value if isinstance(value, (list, tuple)) else str(value).split()
+    stages = [int(str(s).lower().replace("stage", "")) for s in items if str(s).lower().startswith("stage")]
+    stage = max(stages) if stages else 1
+    # ShardingOption enums in PaddleFormers print as e.g. ShardingOption.SHARD_OP
+    text = " ".join(str(i) for i in items).upper()
+    if "FULL_SHARD" in text:
+        stage = 3
+    elif "SHARD_GRAD_OP" in text:
+        stage = max(stage, 2)
+    return stage
+
+
+# PaddleFormers' moe_group (nn/moe/utils.py _parse_moe_group) -> the axes its experts are spread over
+_MOE_GROUP_AXES = {"data": ("data",), "dp": ("data",), "mp": ("model",), "model": ("model",), "tp": ("model",),
+                   "none": ("data", "pipe", "sharding", "sep", "context", "model"), "world": None, "all": None,
+                   "dummy": ()}
+
+
+def expert_axes_of(model) -> tuple:
+    """The hybrid axes over which the model places different experts on different ranks (by its
+    config's ``moe_group``); () for a dense model. The pipe axis is never one (stages hold
+    different layers already)."""
+    config = getattr(model, "config", None)
+    group = getattr(config, "moe_group_origin", None) or getattr(config, "moe_group", None)
+    if not isinstance(group, str):
+        return ()
+    axes = _MOE_GROUP_AXES.get(group.lower(), ())
+    if axes is None:  # every rank
+        axes = _MOE_GROUP_AXES["none"]
+    return tuple(a for a in axes if a != "pipe")
+
+
+def axes_of_job(hcg, world_size: int) -> list:
+    if hcg is None:
+        return [("data", world_size)]
+    topo = hcg.topology()
+    names = topo.get_hybrid_group_names()
+    axes = [(n, topo.get_dim(n)) for n in names]
+    known = ("data", "pipe", "sharding", "sep", "context", "expert", "model")
+    unsupported = [n for n, d in axes if d > 1 and n not in known]
+    if unsupported:
+        raise NotImplementedError(f"parallel axes {unsupported} are not supported by the exporter yet")
+    return [(n, d) for n, d in axes if n in known]
+
+
+def build_context(args=None, sharding_stage: Optional[int] = None, expert_axes: tuple = ()) -> "LocalContext | DistContext":
+    """The export context of this rank; collective when groups must be created (all ranks call it).
+
+    ``expert_axes``: see :func:`expert_axes_of` (the model's experts spread over these axes)."""
+    import paddle.distributed as dist
+
+    world = dist.get_world_size()
+    if world == 1:
+        return LocalContext()
+    rank = dist.get_rank()
+    hcg = _hcg()
+    stage = sharding_stage if sharding_stage is not None else sharding_stage_of(args)
+    axes = axes_of_job(hcg, world)
+    present = {n for n, d in axes if d > 1}
+    plan: TopologyPlan = plan_topology(axes, stage, [a for a in expert_axes if a in present])
+    if plan.world_size != world:
+        raise ValueError(f"the topology {plan.axes} has {plan.world_size} ranks but the job has {world}")
+    mesh = plan.mesh_of(rank)
+    h_ranks, v_ranks = list(mesh.h_ranks(rank)), list(mesh.v_ranks(rank))
+    h_group = v_group = None
+    if hcg is not None and len(v_ranks) > 1:
+        v_group = hcg.get_pipe_parallel_group()
+        _check_same("pipeline", list(v_group.ranks), v_ranks)
+    if len(h_ranks) > 1:
+        if plan.horizontal_axes == ("model",):
+            h_group = hcg.get_model_parallel_group()
+            _check_same("tensor-parallel", list(h_group.ranks), h_ranks)
+        else:
+            # rows Paddle has no group for (e.g. sharding stage 3 joins the mesh): every rank
+            # creates every row, in mesh order, so that the collective creation matches up
+            for m in plan.meshes:
+                for row in m.rows:
+                    g = dist.new_group(list(row))
+                    if rank in row:
+                        h_group = g
+    ctx = DistContext(rank=rank, world_size=world, topology=plan, h_group=h_group, v_group=v_group)
+    if hcg is not None:
+        ctx.paddle_h_group = h_group if h_group is not None else hcg.get_model_parallel_group()
+        ctx.paddle_v_group = v_group if v_group is not None else hcg.get_pipe_parallel_group()
+    return ctx
+
+
+def _check_same(what: str, paddle_ranks, plan_ranks) -> None:
+    if paddle_ranks != plan_ranks:
+        raise ValueError(
+            f"the job's {what} group is ranks {paddle_ranks} but the topology plan expects {plan_ranks}: "
+            "the exporter's view of the hybrid topology does not match the job"
+        )
