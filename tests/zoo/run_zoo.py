@@ -119,6 +119,25 @@ def set_row(model, row: int) -> None:
         weight[row] = paddle.full([weight.shape[1]], 0.5, dtype=weight.dtype)
 
 
+def mapping_digest(prepared) -> str:
+    """What decides the snapshot's bytes given the model's tensors: every destination's name, shape
+    and dtype, the source region and postprocessing (transposes, casts) of each of its slices, and
+    the rows written as zeros. Temporary names of a mapping's intermediate steps are not in it, so
+    two mappings that move every element to the same place have the same digest."""
+    import hashlib
+
+    dmap, parts = prepared.dmap, []
+    for name in sorted(dmap.entries):
+        spec = dmap.spec_by_name[name]
+        slices = sorted(
+            (tuple(e.target_slice.global_offset), tuple(e.target_slice.local_shape), e.source_slice.key,
+             tuple(e.source_slice.global_offset), tuple(e.source_slice.local_shape), tuple(e.postprocess_list or ()))
+            for e in dmap.entries[name])
+        parts.append((name, tuple(spec.shape), spec.dtype, slices))
+    parts.append(sorted(prepared.zero_rows.items()))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
 def train_with_callback(case: ZooCase, model, work: Path):
     from paddle_fullparam_callbacks import FullParamExportCallback
     from paddle_fullparam_callbacks.cli.demo import TokenDataset, make_trainer, trainer_args
@@ -139,7 +158,7 @@ def export_without_training(model, work: Path):
     cfg = load_config(None, [f"output_dir={work / 'snapshots'}"])
     session = ExportSession(cfg, cfg.output_dir)
     session.start()
-    return session.export(build_model_source(model, cfg), 0, reason="zoo")
+    return session.export(build_model_source(model, cfg), 0, reason="zoo"), session
 
 
 def reload_logits(case: ZooCase, snapshot: Path, ids: np.ndarray, mode: str) -> np.ndarray:
@@ -183,10 +202,13 @@ def run_case(case: ZooCase, out: Path) -> dict:
         entry["events"], entry["errors"] = list(cb.events), list(cb.errors)
         snapshots = [s for s in cb.snapshots if s.path is not None]
         snapshot = snapshots[-1].path if snapshots else None
+        session = cb.session
     else:
-        info = export_without_training(model, work)
+        info, session = export_without_training(model, work)
         entry["events"], entry["errors"] = ["zoo@0"], []
         snapshot = info.path
+    if session is not None and session._prepared is not None:
+        entry["mapping_digest"] = mapping_digest(session._prepared)
     entry["snapshot"] = str(snapshot) if snapshot else None
     if snapshot is not None:
         entry["manifest_model"] = json.loads((Path(snapshot) / "fullparam_manifest.json").read_text()).get("model")
