@@ -8,7 +8,7 @@ translates or refuses), the *result* of the preset is recorded:
   destination, a hash of its shape, dtype and source slices (target box, source key and box,
   postprocessing: transposes, casts). Temporary names and statement order are not in it, so a
   rewritten preset that moves every element to the same place has the same hashes;
-- the config.json keys its ``hf_config`` writes, and the warnings it logs;
+- the config.json keys its ``hf_config`` writes (in their order), and the warnings it logs;
 - or the error it raises (type and message, exactly).
 
     python tests/unit/preset_golden.py sources   # in the PaddleNLP env, then in the PaddleFormers env
@@ -310,8 +310,8 @@ def observe(case: dict) -> dict:
     out["mapping_warnings"] = warned
     if preset.hf_config is not None:
         cfg, warned, err = _capture(lambda: preset.hf_config(_hf_input(case["config"])))
-        # through JSON, as config.json is written (tuples become lists)
-        out["hf_config"] = json.loads(json.dumps(cfg, sort_keys=True)) if err is None else {"error": err}
+        # through JSON as config.json is written (tuples become lists), in its order (config.json's keys are not sorted)
+        out["hf_config"] = json.loads(json.dumps(list(cfg.items()))) if err is None else {"error": err}
         out["hf_config_warnings"] = warned
     return out
 
