@@ -134,6 +134,13 @@ def _gemma3_biases(c):
     _per_layer(c, "model.layers.", add)
 
 
+def _tp_split(*suffixes, n=2):
+    """Sources ending with ``suffixes`` held as n column-parallel slices ([in, out]: along axis 1)."""
+    def edit(c):
+        c["split"] = {k: (1, n) for k in c["sources"] if k.endswith(suffixes)}
+    return edit
+
+
 def _llama_mixed(c):
     """Layer 0 fused (q/k/v and gate/up), layer 1 as separate tensors: decided per layer."""
     s = c["sources"]
@@ -225,6 +232,11 @@ VARIANTS = [
     Variant("pnlp-codegen-untied/act", "pnlp-codegen-untied", _cfg(activation_function="elu")),
     # Gemma3
     Variant("pf-gemma3-untied/biases", "pf-gemma3-untied", _gemma3_biases),
+    # Paddle's fused_qkv / fused_ffn macros split by the number of source slices
+    Variant("pf-gemma3-untied/2-slices", "pf-gemma3-untied", _tp_split("qkv_proj.weight", "up_gate_proj.weight")),
+    Variant("pf-gemma3-untied/4-slices", "pf-gemma3-untied", _tp_split("up_gate_proj.weight", n=4)),
+    Variant("pnlp-llama-bothfused-gqa/tp2-slices", "pnlp-llama-bothfused-gqa",
+            _all(_set(parallel={"tensor_parallel_degree": 2}), _tp_split("qkv_proj.weight", "gate_up_fused_proj.weight"))),
     Variant("pf-gemma3-tied/rope", "pf-gemma3-tied", _cfg(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
                                                           rope_scaling={"x": 1}, paddleformers_version="1.2")),
 ]
@@ -287,17 +299,27 @@ def _capture(fn):
         log.removeHandler(handler)
 
 
-def observe(case: dict) -> dict:
-    """What the case's preset does with it: destinations (or error), config.json keys (or error), warnings."""
+def _shards(key, shape, dtype, split):
+    """The shard descriptions of one source: whole, or ``split=(axis, n)`` as n tensor-parallel slices."""
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
 
+    if not split:
+        return [ShardedWeightDesc(key, shape, shape, (0,) * len(shape), dtype)]
+    axis, n = split
+    local = tuple(d // n if i == axis else d for i, d in enumerate(shape))
+    return [ShardedWeightDesc(key, local, shape, tuple(r * local[axis] if i == axis else 0 for i in range(len(shape))), dtype)
+            for r in range(n)]
+
+
+def observe(case: dict) -> dict:
+    """What the case's preset does with it: destinations (or error), config.json keys (or error), warnings."""
     from paddle_fullparam_callbacks.assemble.mapping import build_destination_map
     from paddle_fullparam_callbacks.models.mappings import PRESETS, MappingContext, check_destination_names
 
     preset = PRESETS[case["preset"]]
     shapes = {k: tuple(v[0]) for k, v in case["sources"].items()}
     ctx = MappingContext(dict(case["config"]), bool(case["tied"]), shapes, dict(case["parallel"]))
-    info = {k: [ShardedWeightDesc(k, tuple(s), tuple(s), (0,) * len(s), dt)] for k, (s, dt) in case["sources"].items()}
+    info = {k: _shards(k, tuple(s), dt, case.get("split", {}).get(k)) for k, (s, dt) in case["sources"].items()}
 
     def mapping():
         dmap = build_destination_map(info, {"aoa_statements": preset.statements(ctx)})
