@@ -7,16 +7,14 @@ and translates the model's config into that architecture's ``config.json``. ``ex
 picks a preset by the model's framework and class name only (:data:`AUTO`), never by guessing
 from parameter names.
 
-Statement helpers here are small string builders; a preset module reads as a list of
-``paddle name -> hf name`` lines.
+The statement helpers here are small string builders; presets are declared with the tables and
+operations of :mod:`.builders`, made of them.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
-
-LAYER = "$LAYER_ID"  # AOAEngine expands it over every layer index present in the source names
 
 
 @dataclass(frozen=True)
@@ -98,13 +96,13 @@ def concat(srcs: List[str], dst: str, axis: int) -> str:
     return f"{', '.join(srcs)} -> {dst}, axis={axis}"
 
 
-def split_heads(src: str, tmp: str, layout: List[Tuple[str, int]], axis: int, outputs: Dict[str, str]) -> List[str]:
+def split_heads(src: str, tmp: str, layout: List[Tuple[str, int]], axis: int, outputs: Dict[str, List[str]]) -> List[str]:
     """Split a fused projection into heads and regroup them.
 
     ``layout``: the fused tensor's blocks along ``axis`` in order, as (part, number of heads), e.g.
     ``[("q", 2), ("k", 1), ("v", 1)] * num_kv_heads`` for q/k/v interleaved per key-value group.
-    Every head has the same width. ``outputs``: part -> destination name; the heads of a part are
-    concatenated in the order they appear.
+    Every head has the same width. ``outputs``: destination name -> the parts it concatenates (all
+    heads of its first part in the order they appear, then those of the next part, ...).
     """
     heads, parts = [], {}
     for part, n in layout:
@@ -113,6 +111,7 @@ def split_heads(src: str, tmp: str, layout: List[Tuple[str, int]], axis: int, ou
             parts[part].append(name)
             heads.append(name)
     out = [split_equal(src, heads, axis)]
-    for part, dst in outputs.items():
-        out.append(concat(parts[part], dst, axis) if len(parts[part]) > 1 else rename(parts[part][0], dst))
+    for dst, wanted in outputs.items():
+        srcs = [h for part in wanted for h in parts[part]]
+        out.append(concat(srcs, dst, axis) if len(srcs) > 1 else rename(srcs[0], dst))
     return out

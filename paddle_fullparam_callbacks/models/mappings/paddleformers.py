@@ -10,36 +10,31 @@ from __future__ import annotations
 
 import copy
 
-from .base import LAYER, MappingContext, Preset, drop, linear, register, rename
+from .base import MappingContext, Preset, register
+from .builders import AS_IS, LINEAR, PaddleMacro, layers, lm_head, table
+
+
+def _qkv_heads(ctx: MappingContext) -> dict:
+    # Paddle's num_key_value_groups is the number of key-value heads
+    return {"num_heads": int(ctx.get("num_attention_heads")), "num_key_value_groups": int(ctx.get("num_key_value_heads"))}
+
+
+_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
+          "self_attn.q_norm", "self_attn.k_norm")
+_GEMMA3_LAYER = [
+    *[(norm, AS_IS) for norm in _NORMS],
+    ("self_attn.o_proj", LINEAR),
+    ("mlp.down_proj", LINEAR),
+    # q/k/v interleaved per key-value head, gate/up halves: Paddle's own macros know the layouts
+    ("self_attn.qkv_proj", "self_attn.{}_proj", PaddleMacro("fused_qkv", "qkv", _qkv_heads)),
+    ("mlp.up_gate_proj", "mlp.{}_proj", PaddleMacro("fused_ffn", ("gate", "up"))),
+]
 
 
 def _gemma3(ctx: MappingContext) -> list:
-    L, n = LAYER, int(ctx.get("num_hidden_layers"))
-    heads, kv = int(ctx.get("num_attention_heads")), int(ctx.get("num_key_value_heads"))
-    out = [rename("model.embed_tokens.weight", "model.embed_tokens.weight"), rename("model.norm.weight", "model.norm.weight")]
-    for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
-        out.append(rename(f"model.layers.{L}.{norm}.weight", f"model.layers.{L}.{norm}.weight"))
-    for norm in ("q_norm", "k_norm"):
-        out.append(rename(f"model.layers.{L}.self_attn.{norm}.weight", f"model.layers.{L}.self_attn.{norm}.weight"))
-    out += [linear(f"model.layers.{L}.self_attn.o_proj.weight", f"model.layers.{L}.self_attn.o_proj.weight"),
-            linear(f"model.layers.{L}.mlp.down_proj.weight", f"model.layers.{L}.mlp.down_proj.weight")]
-    # q/k/v interleaved per key-value head: Paddle's own fused_qkv macro knows the layout
-    # (its num_key_value_groups is the number of key-value heads)
-    qkv = [f"model.layers.{L}.self_attn.{x}_proj" for x in "qkv"]
-    out.append(f"model.layers.{L}.self_attn.qkv_proj.weight -> {', '.join(q + '.weight' for q in qkv)}, fused_qkv, "
-               f"num_heads={heads}, num_key_value_groups={kv}")
-    if ctx.has_any(r"self_attn\.qkv_proj\.bias$"):
-        out.append(f"model.layers.{L}.self_attn.qkv_proj.bias -> {', '.join(q + '.bias' for q in qkv)}, fused_qkv, "
-                   f"num_heads={heads}, num_key_value_groups={kv}, axis=0")
-        out.append(rename(f"model.layers.{L}.self_attn.o_proj.bias", f"model.layers.{L}.self_attn.o_proj.bias"))
-    out.append(f"model.layers.{L}.mlp.up_gate_proj.weight -> model.layers.{L}.mlp.gate_proj.weight, "
-               f"model.layers.{L}.mlp.up_proj.weight, fused_ffn")
-    # the split parts are intermediates, which $LAYER_ID (expanded over source names) cannot reach
-    for i in range(n):
-        for name in [f"self_attn.{x}_proj" for x in "qkv"] + ["mlp.gate_proj", "mlp.up_proj"]:
-            out.append(linear(f"model.layers.{i}.{name}.weight", f"model.layers.{i}.{name}.weight"))
-    out.append(drop("lm_head.weight") if ctx.tied else rename("lm_head.weight", "lm_head.weight"))
-    return out
+    return (table(ctx, [("model.embed_tokens", AS_IS), ("model.norm", AS_IS)])
+            + layers(ctx, "model.layers", "model.layers", _GEMMA3_LAYER)
+            + lm_head(ctx))
 
 
 def _gemma3_config(cfg: dict) -> dict:

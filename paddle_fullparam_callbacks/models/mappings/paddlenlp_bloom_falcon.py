@@ -9,8 +9,21 @@ from __future__ import annotations
 
 from typing import List
 
-from ._paddlenlp_common import _FW, _IDS, _head, _layers, _norm, _pick, _refuse, _weight_bias
-from .base import MappingContext, Preset, register, rename
+from ._paddlenlp_common import paddlenlp_preset
+from .base import MappingContext
+from .builders import AS_IS, IDS, KEEP, LINEAR, From, config_table, layers, lm_head, optional, table
+
+# fused qkv: [heads, (q|k|v), head_dim] on the output axis in both frameworks (RW's multi_query:
+# [q heads..., k, v], as in HF too); every Linear is the Paddle [in, out] one
+_LINEARS = [(lin, LINEAR) for lin in ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h",
+                                      "mlp.dense_4h_to_h")]
+
+
+def _pattern(norms: str) -> str:
+    """The HF names of both, ``norms`` (a regex) those outside the blocks."""
+    return (r"^(transformer\.word_embeddings\.weight|transformer\." + norms + r"\.(weight|bias)"
+            r"|transformer\.h\.\d+\.(input_layernorm|post_attention_layernorm|self_attention\.query_key_value"
+            r"|self_attention\.dense|mlp\.dense_h_to_4h|mlp\.dense_4h_to_h)\.(weight|bias)|lm_head\.weight)$")
 
 
 # ---- Bloom -> BloomForCausalLM ---------------------------------------------------------------
@@ -22,50 +35,30 @@ def _bloom_problems(c: dict) -> List[str]:
     return p
 
 
-def _bloom_hf(c: dict) -> dict:
-    _refuse("BloomForCausalLM", _bloom_problems(c))
-    out = _pick(c, ("vocab_size", "hidden_size", "n_layer", "n_head", "layer_norm_epsilon", "initializer_range",
-                    "apply_residual_connection_post_layernorm", "hidden_dropout", "attention_dropout",
-                    "pretraining_tp", "slow_but_exact") + _IDS)
-    out["use_cache"] = True
-    return out
+_BLOOM_KEYS = ("vocab_size", "hidden_size", "n_layer", "n_head", "layer_norm_epsilon", "initializer_range",
+               "apply_residual_connection_post_layernorm", "hidden_dropout", "attention_dropout", "pretraining_tp",
+               "slow_but_exact")
+_BLOOM_LAYER = [("input_layernorm", AS_IS), ("post_attention_layernorm", AS_IS), *_LINEARS]
 
 
 def _bloom(ctx: MappingContext) -> list:
-    _refuse("BloomForCausalLM", _bloom_problems(ctx.config))
-    p, t = "bloom", "transformer"
-    out = [rename(f"{p}.word_embeddings.weight", f"{t}.word_embeddings.weight")]
-    out += _norm(ctx, f"{p}.word_embeddings_layernorm", f"{t}.word_embeddings_layernorm")
-    out += _norm(ctx, f"{p}.ln_f", f"{t}.ln_f")
-    for i in _layers(ctx, f"{p}.h."):
-        s, d = f"{p}.h.{i}", f"{t}.h.{i}"
-        out += _norm(ctx, f"{s}.input_layernorm", f"{d}.input_layernorm")
-        out += _norm(ctx, f"{s}.post_attention_layernorm", f"{d}.post_attention_layernorm")
-        # fused qkv: [heads, (q|k|v), head_dim] on the output axis in both frameworks
-        out += _weight_bias(ctx, f"{s}.self_attention.query_key_value", f"{d}.self_attention.query_key_value", True)
-        out += _weight_bias(ctx, f"{s}.self_attention.dense", f"{d}.self_attention.dense", True)
-        out += _weight_bias(ctx, f"{s}.mlp.dense_h_to_4h", f"{d}.mlp.dense_h_to_4h", True)
-        out += _weight_bias(ctx, f"{s}.mlp.dense_4h_to_h", f"{d}.mlp.dense_4h_to_h", True)
-    # BloomLMHead.decoder_weight *is* the word embedding (BloomForCausalLM passes it in). The package
-    # decides "tied" from config.tie_word_embeddings here (the head has no .weight): if that says
-    # False, the untied HF head gets the same values, which is still exact.
-    out += _head(ctx, "lm_head.decoder_weight")
-    return out
+    return (table(ctx, [("word_embeddings", AS_IS), ("word_embeddings_layernorm", AS_IS), ("ln_f", AS_IS)],
+                  "bloom", "transformer")
+            + layers(ctx, "bloom.h", "transformer.h", _BLOOM_LAYER)
+            # BloomLMHead.decoder_weight *is* the word embedding (BloomForCausalLM passes it in). The package
+            # decides "tied" from config.tie_word_embeddings here (the head has no .weight): if that says
+            # False, the untied HF head gets the same values, which is still exact.
+            + lm_head(ctx, "lm_head.decoder_weight"))
 
 
-BLOOM = register(Preset(
-    name="bloom_paddlenlp",
+BLOOM = paddlenlp_preset(
+    "bloom_paddlenlp", "BloomForCausalLM", _bloom,
+    config_table({**{k: KEEP for k in _BLOOM_KEYS}, **IDS, "use_cache": True}), _bloom_problems,
     description="PaddleNLP 2.8 Bloom (bloom.* names, [in, out] Linear) -> HF BloomForCausalLM",
-    framework=_FW,
-    classes=("BloomForCausalLM",),
     hf_architecture="BloomForCausalLM",
     hf_model_type="bloom",
-    statements=_bloom,
-    destination_pattern=r"^(transformer\.word_embeddings\.weight|transformer\.(word_embeddings_layernorm|ln_f)\.(weight|bias)"
-                        r"|transformer\.h\.\d+\.(input_layernorm|post_attention_layernorm|self_attention\.query_key_value"
-                        r"|self_attention\.dense|mlp\.dense_h_to_4h|mlp\.dense_4h_to_h)\.(weight|bias)|lm_head\.weight)$",
-    hf_config=_bloom_hf,
-))
+    destination_pattern=_pattern("(word_embeddings_layernorm|ln_f)"),
+)
 
 
 # ---- RW (RefinedWeb) -> FalconForCausalLM ----------------------------------------------------
@@ -78,69 +71,49 @@ def _rw_problems(c: dict) -> List[str]:
     return p
 
 
-def _rw_hf(c: dict) -> dict:
-    _refuse("RWForCausalLM", _rw_problems(c))
-    hidden = c["hidden_size"]
-    heads = c["n_head"]
-    mq = bool(c.get("multi_query", False))
-    out = {
-        "vocab_size": c["vocab_size"],
-        "hidden_size": hidden,
-        "num_hidden_layers": c["n_layer"],
-        "num_attention_heads": heads,
-        # PaddleNLP's Attention uses n_head kv heads, or 1 with multi_query; n_head_kv is not read
-        "num_kv_heads": 1 if mq else heads,
-        "new_decoder_architecture": False,
-        "multi_query": mq,
-        "parallel_attn": bool(c.get("parallel_attn", False)),
-        "alibi": bool(c.get("alibi", False)),
-        "bias": bool(c.get("bias", False)),
-        "layer_norm_epsilon": c.get("layer_norm_epsilon", 1e-5),
-        "initializer_range": c.get("initializer_range", 0.02),
-        "hidden_dropout": c.get("hidden_dropout", 0.0),
-        "attention_dropout": c.get("attention_dropout", 0.0),
-        "ffn_hidden_size": 4 * hidden,
-        "activation": "gelu",  # nn.GELU() (exact)
-        # rotary computed for any length by Paddle (base 10000); HF needs a table bound
-        "max_position_embeddings": c.get("max_position_embeddings", 2048),
-        "rope_theta": 10000.0,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "use_cache": True,
-    }
-    out.update(_pick(c, _IDS))
-    return out
+def _multi_query(c: dict) -> bool:
+    return bool(c.get("multi_query", False))
+
+
+_RW_CONFIG = {
+    "vocab_size": From("vocab_size"),
+    "hidden_size": From("hidden_size"),
+    "num_hidden_layers": From("n_layer"),
+    "num_attention_heads": From("n_head"),
+    # PaddleNLP's Attention uses n_head kv heads, or 1 with multi_query; n_head_kv is not read
+    "num_kv_heads": lambda c: 1 if _multi_query(c) else c["n_head"],
+    "new_decoder_architecture": False,
+    "multi_query": _multi_query,
+    "parallel_attn": From("parallel_attn", False, bool),
+    "alibi": From("alibi", False, bool),
+    "bias": From("bias", False, bool),
+    "layer_norm_epsilon": From("layer_norm_epsilon", 1e-5),
+    "initializer_range": From("initializer_range", 0.02),
+    "hidden_dropout": From("hidden_dropout", 0.0),
+    "attention_dropout": From("attention_dropout", 0.0),
+    "ffn_hidden_size": lambda c: 4 * c["hidden_size"],
+    "activation": "gelu",  # nn.GELU() (exact)
+    # rotary computed for any length by Paddle (base 10000); HF needs a table bound
+    "max_position_embeddings": From("max_position_embeddings", 2048),
+    "rope_theta": 10000.0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "use_cache": True,
+    **IDS,
+}
+_RW_LAYER = [("input_layernorm", AS_IS), ("post_attention_layernorm", optional(AS_IS)),  # absent with parallel_attn
+             *_LINEARS]
 
 
 def _rw(ctx: MappingContext) -> list:
-    _refuse("RWForCausalLM", _rw_problems(ctx.config))
-    t = "transformer"
-    out = [rename(f"{t}.word_embeddings.weight", f"{t}.word_embeddings.weight")]
-    out += _norm(ctx, f"{t}.ln_f", f"{t}.ln_f")
-    for i in _layers(ctx, f"{t}.h."):
-        s = f"{t}.h.{i}"
-        out += _norm(ctx, f"{s}.input_layernorm", f"{s}.input_layernorm")
-        if ctx.has(f"{s}.post_attention_layernorm.weight"):  # absent with parallel_attn
-            out += _norm(ctx, f"{s}.post_attention_layernorm", f"{s}.post_attention_layernorm")
-        # query_key_value: [heads, (q|k|v), head_dim], or [q heads..., k, v] with multi_query: as in HF
-        for lin in ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"):
-            out += _weight_bias(ctx, f"{s}.{lin}", f"{s}.{lin}", True)
-    # CausalLMHead computes x @ weight.T: its weight is already [vocab, hidden]
-    out += _head(ctx, "lm_head.weight")
-    return out
+    return (table(ctx, [("transformer.word_embeddings", AS_IS), ("transformer.ln_f", AS_IS)])
+            + layers(ctx, "transformer.h", "transformer.h", _RW_LAYER)
+            + lm_head(ctx))  # CausalLMHead computes x @ weight.T: its weight is already [vocab, hidden]
 
 
-RW = register(Preset(
-    name="rw_paddlenlp",
+RW = paddlenlp_preset(
+    "rw_paddlenlp", "RWForCausalLM", _rw, config_table(_RW_CONFIG), _rw_problems,
     description="PaddleNLP 2.8 RW / RefinedWeb (Falcon-7B style) -> HF FalconForCausalLM",
-    framework=_FW,
-    classes=("RWForCausalLM",),
     hf_architecture="FalconForCausalLM",
     hf_model_type="falcon",
-    statements=_rw,
-    destination_pattern=r"^(transformer\.word_embeddings\.weight|transformer\.ln_f\.(weight|bias)"
-                        r"|transformer\.h\.\d+\.(input_layernorm|post_attention_layernorm|self_attention\.query_key_value"
-                        r"|self_attention\.dense|mlp\.dense_h_to_4h|mlp\.dense_4h_to_h)\.(weight|bias)|lm_head\.weight)$",
-    hf_config=_rw_hf,
-))
-
-
+    destination_pattern=_pattern("ln_f"),
+)

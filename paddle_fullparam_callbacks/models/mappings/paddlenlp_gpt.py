@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from typing import List
 
-from ._paddlenlp_common import _FW, _IDS, _head, _layers, _norm, _pick, _refuse, _regroup, _weight_bias
-from .base import MappingContext, Preset, concat, drop, register, rename
+from ._paddlenlp_common import paddlenlp_preset
+from .base import MappingContext
+from .builders import AS_IS, DROP, IDS, KEEP, LINEAR, QKV, Concat, From, Fused, config_table, layers, lm_head, optional, table
 
 
 # ---- GPT -> GPT2LMHeadModel ------------------------------------------------------------------
@@ -40,76 +41,63 @@ def _gpt_problems(c: dict) -> List[str]:
     return p
 
 
-def _gpt_hf(c: dict) -> dict:
-    _refuse("GPTForCausalLM", _gpt_problems(c))
-    hidden = c["hidden_size"]
-    out = {
-        "vocab_size": c["vocab_size"],
-        "n_positions": c.get("max_position_embeddings", 512),
-        "n_embd": hidden,
-        "n_layer": c["num_hidden_layers"],
-        "n_head": c["num_attention_heads"],
-        "n_inner": c.get("intermediate_size", 4 * hidden),
-        "activation_function": "gelu_new",  # F.gelu(x, approximate=True)
-        "resid_pdrop": c.get("hidden_dropout_prob", 0.1),
-        "embd_pdrop": c.get("hidden_dropout_prob", 0.1),
-        "attn_pdrop": c.get("attention_probs_dropout_prob", 0.1),
-        "layer_norm_epsilon": 1e-5,  # GPTLayerNorm(..., epsilon=1e-5) everywhere, layer_norm_eps is unused
-        "initializer_range": c.get("initializer_range", 0.02),
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "add_cross_attention": False,
-        "use_cache": True,
-    }
-    out.update(_pick(c, _IDS))
-    return out
+_GPT_CONFIG = {
+    "vocab_size": From("vocab_size"),
+    "n_positions": From("max_position_embeddings", 512),
+    "n_embd": From("hidden_size"),
+    "n_layer": From("num_hidden_layers"),
+    "n_head": From("num_attention_heads"),
+    "n_inner": lambda c: c.get("intermediate_size", 4 * c["hidden_size"]),
+    "activation_function": "gelu_new",  # F.gelu(x, approximate=True)
+    "resid_pdrop": From("hidden_dropout_prob", 0.1),
+    "embd_pdrop": From("hidden_dropout_prob", 0.1),
+    "attn_pdrop": From("attention_probs_dropout_prob", 0.1),
+    "layer_norm_epsilon": 1e-5,  # GPTLayerNorm(..., epsilon=1e-5) everywhere, layer_norm_eps is unused
+    "initializer_range": From("initializer_range", 0.02),
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "reorder_and_upcast_attn": False,
+    "add_cross_attention": False,
+    "use_cache": True,
+    **IDS,
+}
+
+
+def _gpt_qkv_per_head(ctx: MappingContext, weight: str):
+    # [in, heads * (q|k|v)] (the forward reshapes to [heads, 3*head_dim] and splits the last axis)
+    return QKV * int(ctx.get("num_attention_heads"))
+
+
+# HF GPT-2 uses Conv1D ([in, out], like Paddle's Linear): no transposes
+_GPT_LAYER = [
+    ("norm1", "ln_1", AS_IS),
+    ("norm2", "ln_2", AS_IS),
+    # a fused qkv_proj is regrouped into c_attn [q | k | v]; separate q/k/v are concatenated into it
+    ("self_attn.qkv_proj", "attn.c_attn", optional(Fused(_gpt_qkv_per_head, transpose=False, merge=True))),
+    ("self_attn.{}_proj", "attn.c_attn", optional(Concat("qkv"))),
+    ("self_attn.out_proj", "attn.c_proj", AS_IS),
+    ("linear1", "mlp.c_fc", AS_IS),
+    ("linear2", "mlp.c_proj", AS_IS),
+]
 
 
 def _gpt(ctx: MappingContext) -> list:
-    _refuse("GPTForCausalLM", _gpt_problems(ctx.config))
-    p, t = "gpt", "transformer"
-    out = [
-        rename(f"{p}.embeddings.word_embeddings.weight", f"{t}.wte.weight"),
-        rename(f"{p}.embeddings.position_embeddings.weight", f"{t}.wpe.weight"),
-    ]
-    out += _norm(ctx, f"{p}.decoder.norm", f"{t}.ln_f")
-    heads = int(ctx.get("num_attention_heads"))
-    for i in _layers(ctx, f"{p}.decoder.layers."):
-        s, d = f"{p}.decoder.layers.{i}", f"{t}.h.{i}"
-        out += _norm(ctx, f"{s}.norm1", f"{d}.ln_1")
-        out += _norm(ctx, f"{s}.norm2", f"{d}.ln_2")
-        a = f"{s}.self_attn"
-        if ctx.has(f"{a}.qkv_proj.weight"):
-            # [in, heads * (q|k|v)] (reshape to [heads, 3*head_dim], split last) -> [in, q|k|v]
-            for kind, axis in (("weight", 1), ("bias", 0)):
-                if ctx.has(f"{a}.qkv_proj.{kind}"):
-                    out += _regroup(f"{a}.qkv_proj.{kind}", f"{a}.qkv_tmp.{kind}", heads, ["q", "k", "v"], axis,
-                                    {f"{d}.attn.c_attn.{kind}": ["q", "k", "v"]})
-        else:
-            out.append(concat([f"{a}.{x}_proj.weight" for x in "qkv"], f"{d}.attn.c_attn.weight", 1))
-            if ctx.has(f"{a}.q_proj.bias"):
-                out.append(concat([f"{a}.{x}_proj.bias" for x in "qkv"], f"{d}.attn.c_attn.bias", 0))
-        out += _weight_bias(ctx, f"{a}.out_proj", f"{d}.attn.c_proj", transpose=False)  # Conv1D is [in, out]
-        out += _weight_bias(ctx, f"{s}.linear1", f"{d}.mlp.c_fc", transpose=False)
-        out += _weight_bias(ctx, f"{s}.linear2", f"{d}.mlp.c_proj", transpose=False)
-    out += _head(ctx, "lm_head.weight")  # GPTLMHead keeps [vocab, hidden]
-    return out
+    return (table(ctx, [("embeddings.word_embeddings", "wte", AS_IS), ("embeddings.position_embeddings", "wpe", AS_IS),
+                        ("decoder.norm", "ln_f", AS_IS)], "gpt", "transformer")
+            + layers(ctx, "gpt.decoder.layers", "transformer.h", _GPT_LAYER)
+            + lm_head(ctx))  # GPTLMHead keeps [vocab, hidden]
 
 
-GPT = register(Preset(
-    name="gpt_paddlenlp",
+GPT = paddlenlp_preset(
+    "gpt_paddlenlp", "GPTForCausalLM",  # paddlenlp.transformers.GPTLMHeadModel is the same class
+    _gpt, config_table(_GPT_CONFIG), _gpt_problems,
     description="PaddleNLP 2.8 GPT (gpt.* names, [in, out] Linear = GPT-2 Conv1D) -> HF GPT2LMHeadModel",
-    framework=_FW,
-    classes=("GPTForCausalLM",),  # paddlenlp.transformers.GPTLMHeadModel is the same class
     hf_architecture="GPT2LMHeadModel",
     hf_model_type="gpt2",
-    statements=_gpt,
     destination_pattern=r"^(transformer\.(wte|wpe)\.weight|transformer\.ln_f\.(weight|bias)"
                         r"|transformer\.h\.\d+\.(ln_1|ln_2|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(weight|bias)"
                         r"|lm_head\.weight)$",
-    hf_config=_gpt_hf,
-))
+)
 
 
 # ---- GPT-J / CodeGen -------------------------------------------------------------------------
@@ -119,83 +107,53 @@ _PNLP_ACT2FN = {"gelu", "gelu_10", "gelu_fast", "gelu_new", "gelu_python", "line
                 "relu6", "sigmoid", "silu", "swish", "tanh"}
 
 
-def _rotary_problems(arch: str, c: dict) -> List[str]:
-    act = c.get("activation_function", "gelu_new")
-    return [] if act in _PNLP_ACT2FN else [f"activation_function={act!r} is not one PaddleNLP's {arch} can build"]
+def _rotary_problems(arch: str):
+    def problems(c: dict) -> List[str]:
+        act = c.get("activation_function", "gelu_new")
+        return [] if act in _PNLP_ACT2FN else [f"activation_function={act!r} is not one PaddleNLP's {arch} can build"]
+    return problems
 
 
-def _gptj_hf(c: dict) -> dict:
-    _refuse("GPTJForCausalLM", _rotary_problems("GPT-J", c))
-    out = _pick(c, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "rotary_dim", "n_inner",
-                    "activation_function", "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon",
-                    "initializer_range") + _IDS)
-    out["use_cache"] = True
-    return out
+_GPTJ_KEYS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "rotary_dim", "n_inner", "activation_function",
+              "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon", "initializer_range")
+_GPTJ_CONFIG = {**{k: KEEP for k in _GPTJ_KEYS}, **IDS, "use_cache": True}
+# CodeGen's config has n_ctx too (after n_positions)
+_CODEGEN_CONFIG = {**{k: KEEP for k in _GPTJ_KEYS[:2] + ("n_ctx",) + _GPTJ_KEYS[2:]}, **IDS, "use_cache": True}
 
 
-def _codegen_hf(c: dict) -> dict:
-    _refuse("CodeGenForCausalLM", _rotary_problems("CodeGen", c))
-    out = _pick(c, ("vocab_size", "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "rotary_dim", "n_inner",
-                    "activation_function", "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon",
-                    "initializer_range") + _IDS)
-    out["use_cache"] = True
-    return out
+def _gptj_like(attn_linears):
+    rows = [("ln_1", AS_IS), *[(lin, LINEAR) for lin in attn_linears + ("mlp.fc_in", "mlp.fc_out")],
+            # causal-mask buffers, not weights
+            ("attn.bias", DROP), ("attn.masked_bias", DROP), ("attn.causal_mask", DROP)]
 
-
-def _gptj_like(ctx: MappingContext, attn_linears) -> list:
-    t = "transformer"
-    out = [rename(f"{t}.wte.weight", f"{t}.wte.weight")]
-    out += _norm(ctx, f"{t}.ln_f", f"{t}.ln_f")
-    for i in _layers(ctx, f"{t}.h."):
-        s = f"{t}.h.{i}"
-        out += _norm(ctx, f"{s}.ln_1", f"{s}.ln_1")
-        for lin in attn_linears + ("mlp.fc_in", "mlp.fc_out"):
-            out += _weight_bias(ctx, f"{s}.{lin}", f"{s}.{lin}", True)
-        for buf in ("attn.bias", "attn.masked_bias", "attn.causal_mask"):  # causal-mask buffers, not weights
-            if ctx.has(f"{s}.{buf}"):
-                out.append(drop(f"{s}.{buf}"))
-    out += _head(ctx, "lm_head.weight", transpose=True)  # nn.Linear(n_embd, vocab): [hidden, vocab]
-    if ctx.has("lm_head.bias"):
-        out.append(rename("lm_head.bias", "lm_head.bias"))
-    return out
-
-
-def _gptj(ctx: MappingContext) -> list:
-    _refuse("GPTJForCausalLM", _rotary_problems("GPT-J", ctx.config))
-    return _gptj_like(ctx, ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj"))
-
-
-def _codegen(ctx: MappingContext) -> list:
-    _refuse("CodeGenForCausalLM", _rotary_problems("CodeGen", ctx.config))
-    # qkv_proj output features: 4 blocks (mp_num) of [q | v | k] each embed_dim/4 wide; PaddleNLP 2.8.1
-    # and transformers split them identically, so the fused weight only needs the Linear transpose
-    return _gptj_like(ctx, ("attn.qkv_proj", "attn.out_proj"))
+    def statements(ctx: MappingContext) -> list:
+        return (table(ctx, [("transformer.wte", AS_IS), ("transformer.ln_f", AS_IS)])
+                + layers(ctx, "transformer.h", "transformer.h", rows)
+                # nn.Linear(n_embd, vocab): [hidden, vocab]
+                + lm_head(ctx, transpose=True, bias="lm_head.bias"))
+    return statements
 
 
 _GPTJ_PATTERN = (r"^(transformer\.wte\.weight|transformer\.ln_f\.(weight|bias)"
                  r"|transformer\.h\.\d+\.(ln_1|attn\.(%s)|mlp\.fc_in|mlp\.fc_out)\.(weight|bias)|lm_head\.(weight|bias))$")
 
-GPTJ = register(Preset(
-    name="gptj_paddlenlp",
+GPTJ = paddlenlp_preset(
+    "gptj_paddlenlp", "GPTJForCausalLM",
+    _gptj_like(("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj")), config_table(_GPTJ_CONFIG),
+    _rotary_problems("GPT-J"),
     description="PaddleNLP 2.8 GPT-J -> HF GPTJForCausalLM",
-    framework=_FW,
-    classes=("GPTJForCausalLM",),
     hf_architecture="GPTJForCausalLM",
     hf_model_type="gptj",
-    statements=_gptj,
     destination_pattern=_GPTJ_PATTERN % "q_proj|k_proj|v_proj|out_proj",
-    hf_config=_gptj_hf,
-))
+)
 
-CODEGEN = register(Preset(
-    name="codegen_paddlenlp",
+CODEGEN = paddlenlp_preset(
+    "codegen_paddlenlp", "CodeGenForCausalLM",
+    # qkv_proj output features: 4 blocks (mp_num) of [q | v | k] each embed_dim/4 wide; PaddleNLP 2.8.1
+    # and transformers split them identically, so the fused weight only needs the Linear transpose
+    _gptj_like(("attn.qkv_proj", "attn.out_proj")), config_table(_CODEGEN_CONFIG), _rotary_problems("CodeGen"),
     description="PaddleNLP 2.8 CodeGen (fused qkv_proj in mp_num=4 blocks) -> HF CodeGenForCausalLM",
-    framework=_FW,
-    classes=("CodeGenForCausalLM",),
     hf_architecture="CodeGenForCausalLM",
     hf_model_type="codegen",
-    statements=_codegen,
     destination_pattern=_GPTJ_PATTERN % "qkv_proj|out_proj",
-    hf_config=_codegen_hf,
-))
-
+)

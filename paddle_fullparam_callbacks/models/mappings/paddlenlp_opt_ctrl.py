@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import List
 
 from ...assemble.mapping import MappingError
-from ._paddlenlp_common import _FW, _IDS, _head, _layers, _norm, _pick, _refuse, _weight_bias
-from .base import MappingContext, Preset, drop, register, rename
+from ._paddlenlp_common import paddlenlp_preset
+from .base import MappingContext
+from .builders import AS_IS, DROP, IDS, KEEP, LINEAR, From, config_table, layers, lm_head, optional, table
 
 
 # ---- OPT -> OPTForCausalLM -------------------------------------------------------------------
@@ -34,33 +35,38 @@ def _opt_problems(c: dict) -> List[str]:
     return p
 
 
-def _opt_hf(c: dict) -> dict:
-    _refuse("OPTForCausalLM", _opt_problems(c))
-    out = {
-        "vocab_size": c["vocab_size"],
-        "hidden_size": c["hidden_size"],
-        "num_hidden_layers": c["num_hidden_layers"],
-        "ffn_dim": c["intermediate_size"],
-        "num_attention_heads": c["num_attention_heads"],
-        "max_position_embeddings": c["max_position_embeddings"],
-        "word_embed_proj_dim": c["hidden_size"],
-        "do_layer_norm_before": bool(c.get("normalize_before", True)),
-        "_remove_final_layer_norm": False,
-        "activation_function": _OPT_ACT[c.get("hidden_act", "relu")],
-        "dropout": c.get("hidden_dropout_prob", 0.1),
-        "attention_dropout": c.get("attention_probs_dropout_prob", 0.0),
-        "layerdrop": 0.0,
-        "init_std": c.get("initializer_range", 0.02),
-        "enable_bias": True,  # PaddleNLP builds every Linear with a bias whatever enable_bias says
-        "layer_norm_elementwise_affine": True,
-        "use_cache": True,
-    }
-    out.update(_pick(c, _IDS))
-    return out
+_OPT_CONFIG = {
+    "vocab_size": From("vocab_size"),
+    "hidden_size": From("hidden_size"),
+    "num_hidden_layers": From("num_hidden_layers"),
+    "ffn_dim": From("intermediate_size"),
+    "num_attention_heads": From("num_attention_heads"),
+    "max_position_embeddings": From("max_position_embeddings"),
+    "word_embed_proj_dim": From("hidden_size"),
+    "do_layer_norm_before": From("normalize_before", True, bool),
+    "_remove_final_layer_norm": False,
+    "activation_function": From("hidden_act", "relu", _OPT_ACT.get),
+    "dropout": From("hidden_dropout_prob", 0.1),
+    "attention_dropout": From("attention_probs_dropout_prob", 0.0),
+    "layerdrop": 0.0,
+    "init_std": From("initializer_range", 0.02),
+    "enable_bias": True,  # PaddleNLP builds every Linear with a bias whatever enable_bias says
+    "layer_norm_elementwise_affine": True,
+    "use_cache": True,
+    **IDS,
+}
+_OPT_LAYER = [
+    ("norm1", "self_attn_layer_norm", AS_IS),
+    ("norm2", "final_layer_norm", AS_IS),
+    # (OPTModel forces config.fuse_attention_qkv=False: there is never a fused qkv_proj)
+    *[(f"self_attn.{x}_proj", f"self_attn.{x}_proj", LINEAR) for x in "qkv"],
+    ("self_attn.out_proj", "self_attn.out_proj", LINEAR),
+    ("linear1", "fc1", LINEAR),
+    ("linear2", "fc2", LINEAR),
+]
 
 
 def _opt(ctx: MappingContext) -> list:
-    _refuse("OPTForCausalLM", _opt_problems(ctx.config))
     if ctx.tied and ctx.has("lm_head.decoder_weight"):
         raise MappingError(
             "PaddleNLP OPTForCausalLM: the LM head (lm_head.decoder_weight) is its own parameter, but the export "
@@ -68,86 +74,55 @@ def _opt(ctx: MappingContext) -> list:
             "tie_word_embeddings=True, the PaddleNLP default, is believed); transformers would then replace the "
             "head with the word embedding. Set model.config.tie_word_embeddings = False before exporting"
         )
-    p, d0 = "opt", "model.decoder"
-    out = [
-        rename(f"{p}.embeddings.word_embeddings.weight", f"{d0}.embed_tokens.weight"),
-        # OPTLearnedPositionEmbedding: max_position_embeddings + 2 rows, looked up at position + 2 in both
-        rename(f"{p}.embeddings.position_embeddings.weight", f"{d0}.embed_positions.weight"),
-    ]
-    if ctx.has(f"{p}.decoder.final_layer_norm.weight"):
-        out += _norm(ctx, f"{p}.decoder.final_layer_norm", f"{d0}.final_layer_norm")
-    for i in _layers(ctx, f"{p}.decoder.layers."):
-        s, d = f"{p}.decoder.layers.{i}", f"{d0}.layers.{i}"
-        out += _norm(ctx, f"{s}.norm1", f"{d}.self_attn_layer_norm")
-        out += _norm(ctx, f"{s}.norm2", f"{d}.final_layer_norm")
-        a = f"{s}.self_attn"
-        # (OPTModel forces config.fuse_attention_qkv=False: there is never a fused qkv_proj)
-        for x in "qkv":
-            out += _weight_bias(ctx, f"{a}.{x}_proj", f"{d}.self_attn.{x}_proj", True)
-        out += _weight_bias(ctx, f"{a}.out_proj", f"{d}.self_attn.out_proj", True)
-        out += _weight_bias(ctx, f"{s}.linear1", f"{d}.fc1", True)
-        out += _weight_bias(ctx, f"{s}.linear2", f"{d}.fc2", True)
-    out += _head(ctx, "lm_head.decoder_weight")  # [vocab, hidden], used with transpose_y
-    return out
+    top = [("embeddings.word_embeddings", "decoder.embed_tokens", AS_IS),
+           # OPTLearnedPositionEmbedding: max_position_embeddings + 2 rows, looked up at position + 2 in both
+           ("embeddings.position_embeddings", "decoder.embed_positions", AS_IS),
+           ("decoder.final_layer_norm", "decoder.final_layer_norm", optional(AS_IS))]
+    return (table(ctx, top, "opt", "model")
+            + layers(ctx, "opt.decoder.layers", "model.decoder.layers", _OPT_LAYER)
+            + lm_head(ctx, "lm_head.decoder_weight"))  # [vocab, hidden], used with transpose_y
 
 
-OPT = register(Preset(
-    name="opt_paddlenlp",
+OPT = paddlenlp_preset(
+    "opt_paddlenlp", "OPTForCausalLM", _opt, config_table(_OPT_CONFIG), _opt_problems,
     description="PaddleNLP 2.8 OPT (opt.* names, [in, out] Linear, own LM head) -> HF OPTForCausalLM",
-    framework=_FW,
-    classes=("OPTForCausalLM",),
     hf_architecture="OPTForCausalLM",
     hf_model_type="opt",
-    statements=_opt,
     destination_pattern=r"^(model\.decoder\.(embed_tokens|embed_positions)\.weight|model\.decoder\.final_layer_norm\.(weight|bias)"
                         r"|model\.decoder\.layers\.\d+\.(self_attn\.[qkv]_proj|self_attn\.out_proj|self_attn_layer_norm"
                         r"|final_layer_norm|fc1|fc2)\.(weight|bias)|lm_head\.weight)$",
-    hf_config=_opt_hf,
-))
+)
 
 
 # ---- CTRL -> CTRLLMHeadModel -----------------------------------------------------------------
 
-def _ctrl_hf(c: dict) -> dict:
-    out = _pick(c, ("vocab_size", "n_positions", "n_embd", "dff", "n_layer", "n_head", "resid_pdrop", "embd_pdrop",
-                    "layer_norm_epsilon", "initializer_range") + _IDS)
-    out["use_cache"] = True
-    return out
+_CTRL_KEYS = ("vocab_size", "n_positions", "n_embd", "dff", "n_layer", "n_head", "resid_pdrop", "embd_pdrop",
+              "layer_norm_epsilon", "initializer_range")
+_CTRL_LAYER = [
+    *[(lin, LINEAR) for lin in ("multi_head_attention.Wq", "multi_head_attention.Wk", "multi_head_attention.Wv",
+                                "multi_head_attention.dense", "ffn.0", "ffn.2")],
+    ("layernorm1", AS_IS),
+    ("layernorm2", AS_IS),
+]
 
 
 def _ctrl(ctx: MappingContext) -> list:
-    p, t = "ctrl", "transformer"
-    out = [
-        rename(f"{p}.w.weight", f"{t}.w.weight"),
-        # a frozen sinusoid table (stop_gradient) that transformers recomputes identically
-        drop(f"{p}.pos_encoding.weight"),
-    ]
-    out += _norm(ctx, f"{p}.layernorm", f"{t}.layernorm")
-    for i in _layers(ctx, f"{p}.h."):
-        s, d = f"{p}.h.{i}", f"{t}.h.{i}"
-        for lin in ("multi_head_attention.Wq", "multi_head_attention.Wk", "multi_head_attention.Wv",
-                    "multi_head_attention.dense", "ffn.0", "ffn.2"):
-            out += _weight_bias(ctx, f"{s}.{lin}", f"{d}.{lin}", True)
-        out += _norm(ctx, f"{s}.layernorm1", f"{d}.layernorm1")
-        out += _norm(ctx, f"{s}.layernorm2", f"{d}.layernorm2")
-    out += _head(ctx, "lm_head.weight")  # paddlenlp.layers.Linear stores [out, in] like torch
-    if ctx.has("lm_head.bias"):
-        out.append(rename("lm_head.bias", "lm_head.bias"))
-    return out
+    top = [("ctrl.w", "transformer.w", AS_IS),
+           # a frozen sinusoid table (stop_gradient) that transformers recomputes identically
+           ("ctrl.pos_encoding.weight", DROP),
+           ("ctrl.layernorm", "transformer.layernorm", AS_IS)]
+    return (table(ctx, top)
+            + layers(ctx, "ctrl.h", "transformer.h", _CTRL_LAYER)
+            # paddlenlp.layers.Linear stores [out, in] like torch
+            + lm_head(ctx, bias="lm_head.bias"))
 
 
-CTRL = register(Preset(
-    name="ctrl_paddlenlp",
+CTRL = paddlenlp_preset(
+    "ctrl_paddlenlp", "CTRLLMHeadModel", _ctrl, config_table({**{k: KEEP for k in _CTRL_KEYS}, **IDS, "use_cache": True}),
     description="PaddleNLP 2.8 CTRL -> HF CTRLLMHeadModel",
-    framework=_FW,
-    classes=("CTRLLMHeadModel",),
     hf_architecture="CTRLLMHeadModel",
     hf_model_type="ctrl",
-    statements=_ctrl,
     destination_pattern=r"^(transformer\.w\.weight|transformer\.layernorm\.(weight|bias)"
                         r"|transformer\.h\.\d+\.(multi_head_attention\.(Wq|Wk|Wv|dense)|ffn\.[02]|layernorm[12])\.(weight|bias)"
                         r"|lm_head\.(weight|bias))$",
-    hf_config=_ctrl_hf,
-))
-
-
+)
