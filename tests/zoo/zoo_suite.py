@@ -9,6 +9,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TOLERANCE = 1e-4  # fp32 logits, max abs diff
+# per case, the digest of where every element of the snapshot comes from (run_zoo.mapping_digest),
+# recorded before the presets became declarations: a change of any mapping shows here. After a
+# deliberate change, record the new digest of that case (the zoo's results.json has it)
+GOLDEN = json.loads((HERE / "golden_mappings.json").read_text())
 
 
 def run_suite(framework: str, out: Path, hf_python: str):
@@ -33,6 +37,8 @@ def check_case(case, entry: dict, hf: dict) -> None:
         return
     assert entry["errors"] == [], entry["errors"]
     assert entry["snapshot"], "no snapshot was committed"
+    assert entry.get("mapping_digest") == GOLDEN.get(case.id), (
+        f"{case.id}: the snapshot's elements come from other places than recorded in golden_mappings.json")
     snapshot = Path(entry["snapshot"])
     assert "error" not in hf, hf.get("error")
     # names, shapes and dtypes as transformers' own loader sees them: nothing missing or extra
