@@ -12,11 +12,13 @@ PYTEST_ARGS ?=
 TESTS ?= tests
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: help demo test test-paddleformers test-paddlenlp check-requirements requirements bench faults python-path envs clean
+.PHONY: help demo test test-paddleformers test-paddlenlp check-requirements requirements docs bench faults python-path envs clean
 
 help:
 	@echo "make demo          train a tiny Llama on CPU with the PaddleFormers Trainer, exporting HF snapshots"
-	@echo "make test          the whole suite: PaddleFormers env (with the wheel install test), then PaddleNLP env"
+	@echo "make test          the whole suite: requirements, docs and import contracts, PaddleFormers env (with the"
+	@echo "                   wheel install test), then PaddleNLP env"
+	@echo "make docs          the import contracts (lint-imports) and the docs site (mkdocs build --strict, into site/)"
 	@echo "make bench         benchmarks (results in bench/results/*.json)"
 	@echo "make faults        the long crash loop and bad-input count (bench/results/faults.json)"
 	@echo "make requirements  rewrite requirements/*.txt's lower parts from pyproject.toml's extras"
@@ -26,19 +28,24 @@ python-path:
 	@$(ENV) paddleformers
 
 envs:
-	@$(ENV) paddleformers >/dev/null && $(ENV) paddlenlp >/dev/null && $(ENV) hf >/dev/null
+	@$(ENV) paddleformers >/dev/null && $(ENV) paddlenlp >/dev/null && $(ENV) hf >/dev/null && $(ENV) docs >/dev/null
 
 demo:
 	@PY=$$($(ENV) paddleformers); \
 	$$PY -m paddle_fullparam_callbacks demo --output-dir demo_output $(ARGS)
 
-test: check-requirements test-paddleformers test-paddlenlp
+test: check-requirements docs test-paddleformers test-paddlenlp
 
 check-requirements:
 	@$(BASE_PYTHON) scripts/sync_requirements.py --check
 
 requirements:
 	@$(BASE_PYTHON) scripts/sync_requirements.py
+
+docs:
+	@PY=$$($(ENV) docs); BIN=$$(dirname "$$PY"); \
+	echo "== import contracts (lint-imports) and the docs (mkdocs build --strict)"; \
+	"$$BIN/lint-imports" --no-cache && NO_MKDOCS_2_WARNING=1 "$$BIN/mkdocs" build --strict --quiet --site-dir site
 
 test-paddleformers:
 	@PY=$$($(ENV) paddleformers); HF=$$($(ENV) hf); \
@@ -60,4 +67,4 @@ faults:
 	$$PY tests/faults/crash_loop.py --long
 
 clean:
-	rm -rf demo_output .pytest_cache .hypothesis *.egg-info build dist
+	rm -rf demo_output site .pytest_cache .hypothesis *.egg-info build dist

@@ -113,9 +113,9 @@ def _cmd_convert(ns) -> int:
     import logging
 
     from ..assemble.mapping import MappingError
-    from ..export.source import ExportError
     from ..convert.checkpoints import CheckpointError
     from ..convert.convert import convert
+    from ..export.source import ExportError
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("paddle_fullparam_callbacks").setLevel(logging.INFO)

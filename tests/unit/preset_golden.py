@@ -39,8 +39,8 @@ ROOT = HERE.parents[1]
 def record_sources(framework: str) -> None:
     """Add the preset cases of ``framework``'s zoo to ``data/preset_sources.json``."""
     sys.path[:0] = [str(ROOT / "tests" / "zoo"), str(ROOT / "tests"), str(ROOT)]
-    from run_zoo import build  # noqa: E402  (tests/zoo)
     from case import all_cases  # noqa: E402
+    from run_zoo import build  # noqa: E402  (tests/zoo)
 
     from paddle_fullparam_callbacks.assemble.mapping import dtype_name
     from paddle_fullparam_callbacks.models.mappings.resolve import auto_preset

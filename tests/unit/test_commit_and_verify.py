@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paddle_fullparam_callbacks.export.write import checksum
 from paddle_fullparam_callbacks.export import commit
 from paddle_fullparam_callbacks.export.commit import ownership, retention
 from paddle_fullparam_callbacks.export.commit.manifest import describe_files
-from paddle_fullparam_callbacks.export.write.writer import SnapshotWriter
 from paddle_fullparam_callbacks.export.verify.snapshot import verify_snapshot
+from paddle_fullparam_callbacks.export.write import checksum
+from paddle_fullparam_callbacks.export.write.writer import SnapshotWriter
 from paddle_fullparam_callbacks.plan.export_plan import TensorSpec, build_export_plan
 from paddle_fullparam_callbacks.plan.naming import snapshot_step_pattern
 

@@ -3,7 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from paddle_fullparam_callbacks.config import ConfigError, ExportConfig, FullParamConfig, RetentionConfig, TriggerConfig, coerce_config, load_config, parse_size
+from paddle_fullparam_callbacks.config import (
+    ConfigError,
+    ExportConfig,
+    FullParamConfig,
+    RetentionConfig,
+    TriggerConfig,
+    coerce_config,
+    load_config,
+    parse_size,
+)
 
 
 @pytest.fixture(autouse=True)

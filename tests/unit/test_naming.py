@@ -8,7 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paddle_fullparam_callbacks.config import ConfigError, ExportConfig, load_config
-from paddle_fullparam_callbacks.plan.naming import MAX_NAME_BYTES, MAX_STEP, _first_violation, format_snapshot_name, name_problem, snapshot_step_pattern, sort_bound, validate_template
+from paddle_fullparam_callbacks.plan.naming import (
+    MAX_NAME_BYTES,
+    MAX_STEP,
+    _first_violation,
+    format_snapshot_name,
+    name_problem,
+    snapshot_step_pattern,
+    sort_bound,
+    validate_template,
+)
 
 # template -> regex on the message (after "export.name_template: "); one entry per message
 BAD = {

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 
 from paddle_fullparam_callbacks.cli.main import main
-from paddle_fullparam_callbacks.export.write import checksum
-from paddle_fullparam_callbacks.export.verify import snapshot as verify, paths as verify_paths
-from paddle_fullparam_callbacks.export.write.writer import SnapshotWriter
+from paddle_fullparam_callbacks.export.verify import paths as verify_paths
+from paddle_fullparam_callbacks.export.verify import snapshot as verify
 from paddle_fullparam_callbacks.export.verify.snapshot import verify_snapshot
 from paddle_fullparam_callbacks.export.verify.tree import OutputDirReport, PointerReport, verify_path
+from paddle_fullparam_callbacks.export.write import checksum
+from paddle_fullparam_callbacks.export.write.writer import SnapshotWriter
 from paddle_fullparam_callbacks.plan.export_plan import TensorSpec, build_export_plan
 
 MANIFEST = "fullparam_manifest.json"

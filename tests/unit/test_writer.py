@@ -13,8 +13,8 @@ import safetensors
 from safetensors.numpy import load_file
 
 from paddle_fullparam_callbacks.export.write import checksum, writer
-from paddle_fullparam_callbacks.export.write.writer import FileResult, SnapshotWriter
 from paddle_fullparam_callbacks.export.write.header import SafetensorsFormatError, read_header, read_tensor
+from paddle_fullparam_callbacks.export.write.writer import FileResult, SnapshotWriter
 from paddle_fullparam_callbacks.plan.export_plan import TensorSpec, build_export_plan
 
 STORAGE = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "bfloat16": np.uint16}

@@ -9,10 +9,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from paddle_fullparam_callbacks.export.write import checksum, syscalls, writer
-from paddle_fullparam_callbacks.export.write.writer import SnapshotWriter
-from paddle_fullparam_callbacks.export.write.header import read_tensor
 from paddle_fullparam_callbacks.export.write.copy import copy_into, row_blocks
+from paddle_fullparam_callbacks.export.write.header import read_tensor
 from paddle_fullparam_callbacks.export.write.pipeline import BlockPool, Stopped
+from paddle_fullparam_callbacks.export.write.writer import SnapshotWriter
 from paddle_fullparam_callbacks.plan.export_plan import TensorSpec, build_export_plan
 
 DTYPE_NAME = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.int64): "int64",

@@ -8,7 +8,15 @@ This package's namespace is the export layer's one door to it (``from ..commit i
 from ..write.fsync import fsync_dir, write_json_durable
 from .lock import LOCK, OutputDirLocked, acquire_lock
 from .ownership import (
-    MANIFEST, REPLACED, cleanup_stale, delete_marked, is_snapshot, mark, new_staging_dir, remove_snapshot, unmark,
+    MANIFEST,
+    REPLACED,
+    cleanup_stale,
+    delete_marked,
+    is_snapshot,
+    mark,
+    new_staging_dir,
+    remove_snapshot,
+    unmark,
 )
 from .pointers import POINTERS, check_pointers, read_pointer, write_pointer
 from .protocol import INDEX, check_output_dir, commit_staging

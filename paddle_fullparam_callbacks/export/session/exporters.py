@@ -11,8 +11,8 @@ from typing import Callable, Dict, Optional
 
 from ...config.schema import ConfigError
 from ...plan.export_plan import ExportPlan
-from .host import detached_copy, to_host_array, with_zero_row
 from ..write.writer import FileResult, SnapshotWriter
+from .host import detached_copy, to_host_array, with_zero_row
 
 
 class Exporter:

@@ -21,12 +21,12 @@ from ... import _faults
 from ...config.schema import FullParamConfig
 from ...plan.export_plan import ExportPlan
 from .. import commit
-from .exporters import Exporter
 from ..commit.manifest import build_manifest, describe_files, dominant_float_dtype
 from ..commit.ownership import read_manifest
-from .planning import PreparedExport
 from ..commit.retention import apply_retention, update_best
 from ..source import ExportError, ModelSource, SnapshotInfo
+from .exporters import Exporter
+from .planning import PreparedExport
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 

@@ -33,16 +33,16 @@ from ... import _faults
 from ...config.schema import FullParamConfig
 from ...plan.naming import format_snapshot_name, snapshot_step_pattern
 from .. import commit
+from ..commit.lock import release_on_signals
+from ..commit.manifest import clean_metrics
+from ..commit.retention import newest_run, next_seq
+from ..commit.watchdog import PROGRESS_DIR, Watchdog
+from ..source import ExportError, ModelSource, SnapshotInfo
 from .distributed import LocalContext
 from .exporters import Exporter, load_callable, make_exporter
 from .finishing import Committer, ExportJob, finish_local, new_run_id
-from ..commit.lock import release_on_signals
-from ..commit.manifest import clean_metrics
 from .planning import PreparedExport, plan_export
-from ..commit.retention import newest_run, next_seq
-from ..source import ExportError, ModelSource, SnapshotInfo
 from .streaming import progress_bar, stream_tensors
-from ..commit.watchdog import PROGRESS_DIR, Watchdog
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 

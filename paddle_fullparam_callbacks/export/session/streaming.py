@@ -13,8 +13,8 @@ from ...assemble.local import LocalAssembler
 from ...assemble.mapping import MappingError
 from ...assemble.mesh import MeshAssembler
 from ...config.schema import FullParamConfig
-from .planning import PreparedExport
 from ..source import ModelSource
+from .planning import PreparedExport
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 

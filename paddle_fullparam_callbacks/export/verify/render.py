@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from typing import Dict, Iterator, List
 
-from .snapshot import VerifyReport
 from .paths import label
+from .snapshot import VerifyReport
 from .tree import OutputDirReport, PointerReport, Report
 
 

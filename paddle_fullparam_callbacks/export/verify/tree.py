@@ -19,8 +19,8 @@ from typing import Dict, List, Optional, Tuple, Union
 
 from ..commit import LOCK, MANIFEST, POINTERS
 from ..write.header import short
-from .snapshot import VerifyReport, check_open_snapshot
 from .paths import SnapshotDir, Unreadable, describe_path, name_problem
+from .snapshot import VerifyReport, check_open_snapshot
 
 POINTER_LIMIT = 4096  # a pointer holds one directory name
 _LEFTOVERS = (".tmp-", ".trash-", ".replaced-", ".fullparam-")

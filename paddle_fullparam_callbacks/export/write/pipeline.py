@@ -18,8 +18,8 @@ from typing import Callable
 import numpy as np
 
 from .copy import copy_into
-from .syscalls import start_writeback
 from .stats import WriterStats
+from .syscalls import start_writeback
 
 
 class Stopped(Exception):

@@ -24,11 +24,11 @@ import numpy as np
 from ... import _dtypes, _faults
 from ...plan.export_plan import ExportPlan, ShardFile, TensorSlot
 from . import checksum
-from .fsync import fsync_dir
 from .copy import row_blocks
-from .syscalls import allocate, pwrite_all
+from .fsync import fsync_dir
 from .pipeline import BlockPool, Countdown, Piece, Pipeline, Stopped
 from .stats import WriterStats
+from .syscalls import allocate, pwrite_all
 
 # Sizes, read when a writer starts (module globals: the tests make them tiny).
 _BLOCK_BYTES = 2 * 2**20  # a strided tensor is copied into file order in blocks of about this size
