@@ -94,7 +94,10 @@ class FullParamExportCallback:
         check_trainer_paths(self.config, self._output_dir(args), getattr(args, "output_dir", None))
         ctx = build_context(args, self.config.topology.sharding_stage, expert_axes_of(unwrap_model(model)))
         session = ExportSession(self.config, self._output_dir(args), fn=self.fn, ctx=ctx)
-        session.start(resume=bool(getattr(state, "global_step", 0)))
+        # the checkpoint hook commits into <trainer output_dir>/checkpoint-N/: every rank must see it too
+        trainer_dir = getattr(args, "output_dir", None)
+        shared = [("checkpoint_hook.enabled", Path(trainer_dir))] if self.config.checkpoint_hook.enabled and trainer_dir else []
+        session.start(resume=bool(getattr(state, "global_step", 0)), shared=shared)
         self._source = build_model_source(model, self.config, tokenizer)
         session.prepare(self._source)
         self.session = session

@@ -18,11 +18,14 @@ from .ownership import (
     remove_snapshot,
     unmark,
 )
-from .pointers import POINTERS, check_pointers, read_pointer, write_pointer
+from .pointers import (
+    POINTERS, check_pointers, discard_pointer, install_pointer, prepare_pointer, read_pointer, write_pointer,
+)
 from .protocol import INDEX, check_output_dir, commit_staging
 
 __all__ = [
     "INDEX", "LOCK", "MANIFEST", "POINTERS", "REPLACED", "OutputDirLocked", "acquire_lock", "check_output_dir",
-    "check_pointers", "cleanup_stale", "commit_staging", "delete_marked", "fsync_dir", "is_snapshot", "mark",
-    "new_staging_dir", "read_pointer", "remove_snapshot", "unmark", "write_json_durable", "write_pointer",
+    "check_pointers", "cleanup_stale", "commit_staging", "delete_marked", "discard_pointer", "fsync_dir",
+    "install_pointer", "is_snapshot", "mark", "new_staging_dir", "prepare_pointer", "read_pointer", "remove_snapshot",
+    "unmark", "write_json_durable", "write_pointer",
 ]

@@ -9,6 +9,15 @@ refreshes its modification time every :data:`REFRESH_S` seconds. Another job fin
 Two sessions of one process on one directory are refused as well (two callbacks would overwrite
 each other's snapshots). On SIGTERM/SIGINT the lock is released before the signal takes its
 course (see :func:`release_on_signals`).
+
+The directory itself can go away under a running job (removed, replaced, a filesystem mounted
+over it) and so can its lock file. Every :data:`CHECK_S` seconds, and at each export, the holder
+checks that the directory at the path is the one it locked and that the lock file there is its
+own (:meth:`OutputDirLock.verify`). If not, it takes the lock again on the directory now at the
+path (making it again if it is gone), so that a second job started into it is refused as before,
+and records what happened: the next export fails naming it. If another job holds the lock there
+by then, this job stops exporting into the directory (every later export fails naming the other
+job): one writer, always.
 """
 from __future__ import annotations
 
@@ -23,12 +32,13 @@ import time
 import uuid
 import weakref
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 
 LOCK = ".fullparam.lock"
 REFRESH_S = 30.0  # heartbeat period of a live holder
+CHECK_S = 5.0  # how often a holder checks that the directory and the lock file are still its own
 STALE_S = 300.0  # a lock of another host not refreshed for this long belongs to a dead job
 
 
@@ -61,6 +71,10 @@ class OutputDirLock:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.holder = None  # weakref to the owning object, if any
+        self.dir_id = _identity(self.output_dir)  # the directory this lock is in: (st_dev, st_ino)
+        self.events: List[str] = []  # what verify() found and did, until the next export takes them
+        self.lost: Optional[str] = None  # set when another job holds the directory: no more exports
+        self._verify_guard = threading.Lock()
 
     def holder_gone(self) -> bool:
         """The owning object no longer exists (collected, cycles included)."""
@@ -71,8 +85,81 @@ class OutputDirLock:
         return self.holder() is None
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(REFRESH_S):
-            self.refresh()
+        last = time.monotonic()
+        while not self._stop.wait(CHECK_S):
+            self.verify("by the lock's periodic check")
+            if self.lost:
+                return
+            if time.monotonic() - last >= REFRESH_S:
+                self.refresh()
+                last = time.monotonic()
+
+    def problem(self) -> Optional[str]:
+        """None while the directory at the path is the one locked and holds this lock; else what changed."""
+        try:
+            ident = _identity(self.output_dir)
+        except FileNotFoundError:
+            return "was removed"
+        except OSError as e:
+            return f"cannot be examined ({e.strerror or e})"
+        if ident != self.dir_id:
+            return ("was replaced: another directory is at its path now (removed and made again, or a filesystem "
+                    "mounted over it or unmounted)")
+        if not self.path.exists():
+            return f"lost its lock file {LOCK} (removed by something else than this job)"
+        holder = _holder(self.path)
+        if holder.get("token") != self.token:
+            return f"holds another lock now ({_describe(holder)})"
+        return None
+
+    def verify(self, when: str) -> Optional[str]:
+        """Check the directory and the lock; if either changed, take the lock again on the directory now
+        at the path (or give the directory up to the job that holds it). Returns what happened (also kept
+        in :attr:`events`), or None. Called by the heartbeat thread and at each export."""
+        with self._verify_guard:
+            if self.lost or self._stop.is_set():
+                return None
+            why = self.problem()
+            if why is None:
+                return None
+            outcome = self._take_again()
+            event = f"output_dir {str(self.output_dir)!r} {why} (noticed {when}); {outcome}"
+            self.events.append(event)
+            logger.warning("%s", event)
+            return event
+
+    def _take_again(self) -> str:
+        holder = _holder(self.path)
+        if holder.get("token") == self.token:  # e.g. the same filesystem mounted again: still ours
+            self.dir_id = _identity(self.output_dir)
+            return "the directory now at the path holds this job's lock: later exports go there"
+        if self.path.exists() or self.path.is_symlink():  # another job's, or unreadable: never removed
+            self.lost = (f"output_dir {str(self.output_dir)!r} is locked by another job ({_describe(holder)}); "
+                         "this job no longer exports into it")
+            return "another job holds its lock: this job stops exporting into it (its later exports fail)"
+        try:
+            remade = not self.output_dir.is_dir()
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            replaced = _identity(self.output_dir) != self.dir_id
+            _create_lock_file(self.path, self.token, self.owner)
+            self.dir_id = _identity(self.output_dir)
+        except FileExistsError:
+            self.lost = (f"output_dir {str(self.output_dir)!r} was taken by another job "
+                         f"({_describe(_holder(self.path))}); this job no longer exports into it")
+            return "another job took its lock first: this job stops exporting into it (its later exports fail)"
+        except OSError as e:
+            return f"taking its lock again failed ({e.strerror or e}); tried again at the next check"
+        if remade:
+            return ("this job made it again (empty: the snapshots in it are gone) and holds its lock again: later "
+                    "exports go there")
+        if replaced:
+            return "this job took the lock of the directory now at the path: later exports go there"
+        return "this job wrote its lock file again: later exports go there as before"
+
+    def take_events(self) -> List[str]:
+        with self._verify_guard:
+            events, self.events = self.events, []
+        return events
 
     def refresh(self) -> None:
         """Tell other hosts this holder is alive (the heartbeat thread calls it every REFRESH_S)."""
@@ -106,6 +193,25 @@ class OutputDirLock:
                 pass
 
 
+def _identity(directory: Path) -> Tuple[int, int]:
+    st = os.stat(directory)
+    return st.st_dev, st.st_ino
+
+
+def _create_lock_file(path: Path, token: str, owner: str) -> None:
+    """Create the lock file (O_EXCL: FileExistsError if there is one), durable; nothing left on failure."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": os.getpid(), "token": token, "owner": owner,
+                       "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)  # a full disk: an empty lock file would block the directory
+        raise
+
+
 def _holder(path: Path) -> dict:
     try:
         holder = json.loads(path.read_text())
@@ -137,18 +243,13 @@ def acquire_lock(output_dir: Path, owner: str = "an export session", holder=None
                 "would overwrite each other's snapshots: give each its own output_dir"
             )
         path = output_dir / LOCK
-        host, pid, token = socket.gethostname(), os.getpid(), uuid.uuid4().hex
+        host, token = socket.gethostname(), uuid.uuid4().hex
         for _ in range(3):
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                _create_lock_file(path, token, owner)
             except FileExistsError:
                 _take_over_if_dead(output_dir, path, host)
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump({"host": host, "pid": pid, "token": token, "owner": owner,
-                           "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
-                f.flush()
-                os.fsync(f.fileno())
             lock = OutputDirLock(output_dir, token, owner)
             if holder is not None:
                 lock.holder = weakref.ref(holder)

@@ -74,9 +74,16 @@ def is_snapshot(directory: Path) -> bool:
 
 
 def new_staging_dir(output_dir: Path, name: str, run_id: str) -> Path:
+    """A marked staging directory. If the marker cannot be written (a full disk fails on its first
+    byte), the directory, made a moment ago under a fresh random name, is removed at once: unmarked,
+    no later job could prove it ours, and it would stay forever."""
     path = Path(output_dir) / f"{TMP}{name}-{uuid.uuid4().hex[:8]}"
     path.mkdir()
-    mark(path, run_id)
+    try:
+        mark(path, run_id)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
     return path
 
 

@@ -26,15 +26,44 @@ def check_pointers(output_dir: Path) -> None:
             )
 
 
-def write_pointer(output_dir: Path, pointer: str, name: str) -> None:
+def prepare_pointer(output_dir: Path, pointer: str, name: str) -> Path:
+    """Write the new content of ``pointer`` into a temporary file (fsynced) and return its path: the
+    bytes a pointer needs are written before the snapshot it names is renamed into place, so a full
+    disk fails the export while nothing of it is visible. Nothing is left if this fails."""
     tmp = Path(output_dir) / f"{POINTER_TMP}{pointer}-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    _faults.point("pointer_tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        discard_pointer(tmp)
+        raise
+    return tmp
+
+
+def install_pointer(output_dir: Path, pointer: str, tmp: Path) -> None:
+    """Replace ``pointer`` by the prepared file atomically (a rename: no new data blocks)."""
     _faults.point("pointer")
-    os.replace(tmp, Path(output_dir) / pointer)
+    try:
+        os.replace(tmp, Path(output_dir) / pointer)
+    except BaseException:
+        discard_pointer(tmp)
+        raise
     fsync_dir(Path(output_dir))
+
+
+def discard_pointer(tmp: Optional[Path]) -> None:
+    if tmp is not None:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+
+
+def write_pointer(output_dir: Path, pointer: str, name: str) -> None:
+    install_pointer(output_dir, pointer, prepare_pointer(output_dir, pointer, name))
 
 
 def read_pointer(output_dir: Path, pointer: str) -> Optional[str]:

@@ -103,12 +103,22 @@ class Watchdog:
         path = self.progress_dir / f"rank-{self.rank}"
         tmp = self.progress_dir / f".rank-{self.rank}.tmp"
         what, entered = self._last
-        try:
-            tmp.write_text(json.dumps({"rank": self.rank, "what": what, "step": self.step, "entered": entered,
-                                       "alive": time.time(), "pid": os.getpid()}))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # progress files only name the culprit; never a reason to fail
+        record = json.dumps({"rank": self.rank, "what": what, "step": self.step, "entered": entered,
+                             "alive": time.time(), "pid": os.getpid()})
+        for attempt in range(2):
+            try:
+                tmp.write_text(record)
+                os.replace(tmp, path)
+                return
+            except FileNotFoundError:
+                if attempt:
+                    return
+                try:  # output_dir made again after it was removed (commit.lock): the progress directory too
+                    self.progress_dir.mkdir(exist_ok=True)
+                except OSError:
+                    return  # output_dir itself is gone: never made from here
+            except OSError:
+                return  # progress files only name the culprit; never a reason to fail
 
     # ---- the watching thread -----------------------------------------------------------
     def _run(self) -> None:

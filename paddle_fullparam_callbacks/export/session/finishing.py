@@ -84,6 +84,16 @@ class Committer:
     def __init__(self, config: FullParamConfig, ctx, output_dir: Path, pattern):
         self.config, self.ctx, self.output_dir, self.pattern = config, ctx, output_dir, pattern
         self.run_id, self.seq = new_run_id(), 1  # settled when the session starts
+        self.lock = None  # the coordinator's lock of output_dir (commit.lock), set when the session starts
+
+    def _diagnose(self, job: ExportJob) -> Optional[str]:
+        """After a failed export (every rank calls it): what the coordinator's lock says happened to
+        output_dir meanwhile (removed, replaced: the usual cause of a staging file that vanished)."""
+        found = None
+        if self.ctx.is_coordinator and self.lock is not None and job.pointers:
+            if self.lock.verify("after the export failed"):
+                found = "; ".join(self.lock.take_events())
+        return self.ctx.all_gather_object(found, what="diagnosis")[self.ctx.coordinator]
 
     def check_target(self, final: Path) -> None:
         """What is at a snapshot's name may be replaced only if it is this run's snapshot."""
@@ -112,7 +122,9 @@ class Committer:
                 shutil.rmtree(job.staging, ignore_errors=True)
             r, e = errors[0]
             where = f" (rank {r})" if ctx.world_size > 1 else ""
-            raise ExportError(f"export of step {step} to {job.out_dir / name} failed{where}: {e}")
+            cause = self._diagnose(job)
+            raise ExportError(f"export of step {step} to {job.out_dir / name} failed{where}: {e}"
+                              + (f". The cause: {cause}" if cause else ""))
         all_files = {k: v for _, fs in statuses for k, v in fs.items()}
         timings = {"plan_s": job.t_plan - job.t0, "assemble_write_s": job.t_stream - job.t_plan,
                    "flush_s": job.t_written - job.t_stream}
@@ -166,23 +178,38 @@ class Committer:
         )
         _faults.point("manifest")
         commit.write_json_durable(staging / commit.MANIFEST, manifest)
-        _faults.point("rename")
-        commit.commit_staging(staging, job.out_dir, name)
+        # latest's new content is written now: a full disk fails here, before the snapshot is visible
+        latest = commit.prepare_pointer(self.output_dir, "latest", name) if job.pointers else None
+        try:
+            _faults.point("rename")
+            commit.commit_staging(staging, job.out_dir, name)
+        except BaseException:
+            commit.discard_pointer(latest)
+            raise
         self.seq += 1
         _faults.point("latest")
-        if not job.pointers:
+        if latest is None:
             return
-        commit.write_pointer(self.output_dir, "latest", name)
+        commit.install_pointer(self.output_dir, "latest", latest)
         self.after_commit(name)
 
     def after_commit(self, name: str) -> None:
-        """Point ``best`` at the best snapshot by the tracked metric, then apply retention."""
+        """Point ``best`` at the best snapshot by the tracked metric, then apply retention.
+
+        ``name`` is committed and ``latest`` names it already: a failure here (a full disk while
+        ``best`` is written) is logged, not raised, and both are tried again after the next commit."""
         ret = self.config.retention
-        _faults.point("best")
-        update_best(self.output_dir, self.pattern, ret.metric, ret.mode, self.run_id, ret.other_runs)
-        _faults.point("retention")
-        removed = apply_retention(self.output_dir, self.pattern, ret.keep_last, protect=[name], keep_best=ret.keep_best,
-                                  metric=ret.metric, mode=ret.mode, run_id=self.run_id, other_runs=ret.other_runs)
+        try:
+            _faults.point("best")
+            update_best(self.output_dir, self.pattern, ret.metric, ret.mode, self.run_id, ret.other_runs)
+            _faults.point("retention")
+            removed = apply_retention(self.output_dir, self.pattern, ret.keep_last, protect=[name],
+                                      keep_best=ret.keep_best, metric=ret.metric, mode=ret.mode, run_id=self.run_id,
+                                      other_runs=ret.other_runs)
+        except OSError as e:
+            logger.warning("snapshot %s is committed, but updating 'best' / retention in %s failed (%s: %s); both "
+                           "are tried again after the next commit", name, self.output_dir, type(e).__name__, e)
+            return
         if removed:
             logger.info("retention (keep_last=%d, keep_best=%d) removed %s", ret.keep_last, ret.keep_best, removed)
 
@@ -193,6 +220,7 @@ class Committer:
             commit.write_json_durable(staging / commit.INDEX, plan.index())
             written.append(commit.INDEX)
         if self.config.export.format == "hf_safetensors":
+            _faults.point("config")
             if source.hf_config is not None:
                 cfg = dict(source.hf_config)
                 dtype = dominant_float_dtype(plan)

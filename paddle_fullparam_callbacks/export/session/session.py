@@ -27,17 +27,19 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from ... import _faults
-from ...config.schema import FullParamConfig
+from ...config.schema import ConfigError, FullParamConfig
 from ...plan.naming import format_snapshot_name, snapshot_step_pattern
 from .. import commit
+from ..commit import visibility
 from ..commit.lock import release_on_signals
 from ..commit.manifest import clean_metrics
 from ..commit.retention import newest_run, next_seq
 from ..commit.watchdog import PROGRESS_DIR, Watchdog
 from ..source import ExportError, ModelSource, SnapshotInfo
+from . import preflight
 from .distributed import LocalContext
 from .exporters import Exporter, load_callable, make_exporter
 from .finishing import Committer, ExportJob, finish_local, new_run_id
@@ -69,38 +71,50 @@ class ExportSession:
     def run_id(self) -> str:
         return self.committer.run_id
 
-    def start(self, resume: bool = False) -> List[str]:
+    def start(self, resume: bool = False, shared: Sequence[Tuple[str, Path]] = ()) -> List[str]:
         """Check output_dir, take its lock, remove leftovers of interrupted exports that are provably
         this package's, and settle this job's run (coordinator); all ranks call it.
 
         ``resume``: the trainer resumed from a checkpoint; the job continues the run of the newest
         snapshot here (re-exporting its steps replaces them). Otherwise it is a new run, which never
         replaces or deletes another run's snapshots (unless ``retention.other_runs: delete``).
+
+        With several ranks, every rank then proves it sees the same output_dir (and each directory of
+        ``shared``: (recipe key, path) pairs, e.g. the trainer's checkpoints for the checkpoint hook)
+        as the coordinator: a ConfigError on every rank otherwise (see ``commit.visibility``).
         """
         removed: List[str] = []
-        error, run = None, (new_run_id(), 1)
-        if self.config.export.format == "callable" and self.fn is None:
+        error, run, tokens = None, (new_run_id(), 1), []
+        writes = self.config.export.format != "callable"
+        if not writes and self.fn is None:
             self.fn = load_callable(self.config.export.callable)  # every rank: a ConfigError now, not at the first export
-        if self.ctx.is_coordinator and self.config.export.format != "callable":
+        targets = [("output_dir", self.output_dir), *shared] if writes and self.ctx.world_size > 1 else []
+        if self.ctx.is_coordinator and writes:
             try:
                 self._created_dir = not self.output_dir.exists()
                 commit.check_output_dir(self.output_dir)
                 commit.check_pointers(self.output_dir)
                 # one job per output_dir: only then are leftovers surely ours to remove
-                self._lock = commit.acquire_lock(self.output_dir, owner="another export session", holder=self)
+                self._lock = self.committer.lock = commit.acquire_lock(self.output_dir, owner="another export session",
+                                                                       holder=self)
                 release_on_signals(self._lock)
                 atexit.register(self._lock.release)
                 removed, _ = commit.cleanup_stale(self.output_dir)
                 run_id = (newest_run(self.output_dir, self.pattern) if resume else None) or run[0]
                 run = (run_id, next_seq(self.output_dir, self.pattern, run_id))
+                for _, directory in targets[1:]:
+                    Path(directory).mkdir(parents=True, exist_ok=True)
+                tokens = [visibility.write_token(d) for _, d in targets]
             except (OSError, commit.OutputDirLocked) as e:
                 error = (type(e).__name__, str(e))
-        gathered = self.ctx.all_gather_object((error, run))
-        errors = [e for e, _ in gathered if e]
+        gathered = self.ctx.all_gather_object((error, run, tokens))
+        errors = [e for e, _, _ in gathered if e]
         if errors:
             kind, message = errors[0]
+            self._remove_tokens(targets, tokens)
             raise (commit.OutputDirLocked if kind == "OutputDirLocked" else OSError)(message)
         self.committer.run_id, self.committer.seq = gathered[self.ctx.coordinator][1]
+        self._prove_shared(targets, gathered[self.ctx.coordinator][2])
         self._start_watchdog()
         self.is_open = True
         if self.ctx.is_coordinator and self.config.export.format != "callable":
@@ -108,6 +122,26 @@ class ExportSession:
         if removed:
             logger.info("removed %d leftover(s) of interrupted exports in %s: %s", len(removed), self.output_dir, removed)
         return removed
+
+    def _prove_shared(self, targets, tokens) -> None:
+        """Every rank reads the coordinator's token in each target and makes a file there; one exchange."""
+        if not targets:
+            return
+        mine = [visibility.probe(d, t, self.ctx.rank) for (_, d), t in zip(targets, tokens)]
+        results = self.ctx.all_gather_object(mine, what="visibility proof")
+        self._remove_tokens(targets, tokens)
+        for i, (key, directory) in enumerate(targets):
+            what = "" if key == "output_dir" else "the trainer's output_dir (where the checkpoint hook commits) "
+            message = visibility.unshared_message(Path(directory), [r[i] for r in results], what)
+            if message:
+                if self._lock is not None:
+                    self.close()
+                raise ConfigError(key, message)
+
+    def _remove_tokens(self, targets, tokens) -> None:
+        if self.ctx.is_coordinator:
+            for (_, directory), token in zip(targets, tokens):
+                visibility.remove_token(directory, token)
 
     def _start_watchdog(self) -> None:
         """export.timeout_s, with several ranks: every collective of the package is watched."""
@@ -132,7 +166,7 @@ class ExportSession:
             self.ctx.watchdog = None
         if self._lock is not None:
             self._lock.release()
-            self._lock = None
+            self._lock = self.committer.lock = None
             self._remove_if_unused()
 
     def _remove_if_unused(self) -> None:
@@ -191,6 +225,10 @@ class ExportSession:
             my_files = mesh_files
         targets = [n for n in p.order if p.plan.slots[n].file_index in set(mesh_files)]
         keep = {n for n in targets if p.plan.slots[n].file_index in set(my_files)}
+
+        if exporter.writes_files:  # room on every rank, the directory still this job's: or nothing is written
+            preflight.check(ctx, self._lock if into is None else None, out_dir, p.plan, my_files, step,
+                            str(out_dir / name))
 
         # the coordinator makes the staging directory and tells everyone its name
         staging, error = None, None

@@ -56,12 +56,18 @@ class _FileState:
         self.spec, self.writer = spec, writer
         self.path = writer.directory / spec.name
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        if writer._allocate:
-            with writer.stats.timed("allocate_s"):
-                allocate(self.fd, spec.total_bytes)
+        try:
+            if writer._allocate:
+                with writer.stats.timed("allocate_s"):
+                    allocate(self.fd, spec.total_bytes)  # a full disk fails here (ENOSPC), before any data
+            _pwrite_all(self.fd, memoryview(spec.header), 0)
+        except BaseException:
+            # this object never reaches the writer's states, so abort() could not close it: a file
+            # unlinked while still open keeps its blocks until the process exits
+            self.close_quietly()
+            raise
         self.base = len(spec.header)
         self.hash = checksum.new(checksum.DEFAULT, spec.header)
-        _pwrite_all(self.fd, memoryview(spec.header), 0)
         self.order = sorted(spec.slots, key=lambda s: s.begin)
         self.next_slot = 0  # index into order of the first slot not yet hashed in sequence
         self.written: set = set()
