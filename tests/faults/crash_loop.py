@@ -182,6 +182,11 @@ def main():
         subprocess.run([sys.executable, str(ROOT / "bench" / "verify_fuzz.py"), "--out", str(fuzz_out)],
                        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         fuzz_figures = json.loads(fuzz_out.read_text()) if fuzz_out.exists() else {}
+    # issue 18: real filesystems (tmpfs size=, loop ext4): a full disk at each write, quota, read-only, removal
+    import disk_points
+
+    disk = disk_points.run(ns.long)
+    result["disk"] = {**disk_points.summary(disk), "cases": disk}
     result["bad_inputs"] += hostile["bad_inputs"]
     result["bad_inputs_unclear"] += hostile["bad_inputs_unclear"]
     result.update(
@@ -200,15 +205,18 @@ def main():
                            "a 4-rank export with one rank SIGSTOPped and export.timeout_s=5")
     (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
     (ROOT / "bench" / "results" / "faults.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("kills", "partial_snapshots_visible", "committed_snapshots_damaged",
-                                              "bad_inputs", "bad_inputs_unclear", "foreign_entries_touched",
-                                              "verify_fuzz_cases", "verify_fuzz_tracebacks", "sigterm_points",
-                                              "locks_left_after_sigterm", "stall_exit_seconds")}))
+    print(json.dumps({**{k: result[k] for k in ("kills", "partial_snapshots_visible", "committed_snapshots_damaged",
+                                                 "bad_inputs", "bad_inputs_unclear", "foreign_entries_touched",
+                                                 "verify_fuzz_cases", "verify_fuzz_tracebacks", "sigterm_points",
+                                                 "locks_left_after_sigterm", "stall_exit_seconds")},
+                      "disk_points": result["disk"].get("disk_points"),
+                      "disk_points_leaving_something": result["disk"].get("disk_points_leaving_something")}))
     ok = (result["partial_snapshots_visible"] == 0 and result["committed_snapshots_damaged"] == 0
           and result["bad_inputs_unclear"] == 0 and stats["final_exit"] == 0 and not stats["leftovers_after_restart"]
           and result["foreign_entries_touched"] == 0 and result["locks_left_after_sigterm"] == 0
           and result["verify_fuzz_tracebacks"] == 0 and result["verify_fuzz_reads_outside"] == 0
-          and ranks["final_exit"] == 0 and not ranks["leftovers_after_restart"] and not ranks["violations"])
+          and ranks["final_exit"] == 0 and not ranks["leftovers_after_restart"] and not ranks["violations"]
+          and not result["disk"].get("disk_points_leaving_something") and not result["disk"].get("disk_points_without_error"))
     sys.exit(0 if ok else 1)
 
 

@@ -23,20 +23,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--snaps", required=True)
     ap.add_argument("--trainer-dir", required=True)
+    ap.add_argument("--hook", action="store_true", help="the checkpoint hook too (snapshots in checkpoint-N/hf)")
     ns = ap.parse_args()
 
     import paddle.distributed as dist
 
-    from paddle_fullparam_callbacks import FullParamExportCallback
+    from paddle_fullparam_callbacks import attach
     from paddle_fullparam_callbacks.cli.demo import make_tiny_llama, make_trainer, trainer_args
 
-    cb = FullParamExportCallback(None, overrides=[
-        f"output_dir={ns.snaps}", "trigger.every_n_steps=2", "export.max_shard_size=100KB", "on_error=raise",
-    ])
+    overrides = [f"output_dir={ns.snaps}", "trigger.every_n_steps=2", "export.max_shard_size=100KB", "on_error=raise"]
     with harness.gloo_safe_group_creation():
-        args = trainer_args("paddleformers", ns.trainer_dir, 4, save_steps=1000, sharding="", max_grad_norm=0)
+        args = trainer_args("paddleformers", ns.trainer_dir, 4, save_steps=2 if ns.hook else 1000, sharding="",
+                            max_grad_norm=0)
         model = make_tiny_llama(seed=0)
-        trainer = make_trainer("paddleformers", model, args, [cb])
+        trainer = make_trainer("paddleformers", model, args, [])
+    cb = attach(trainer, None, overrides=overrides + (["checkpoint_hook.enabled=true"] if ns.hook else []))
     out = {"rank": dist.get_rank(), "world": dist.get_world_size()}
     try:
         trainer.train()
@@ -44,7 +45,8 @@ def main():
         out.update(error=f"{type(e).__name__}: {e}", after_s=round(time.time() - T0, 1))
         print("NODES " + json.dumps(out), flush=True)
         sys.exit(3)
-    out.update(events=cb.events, errors=cb.errors, snapshots=[str(s.path) for s in cb.snapshots])
+    out.update(events=cb.events, errors=cb.errors, snapshots=[str(s.path) for s in cb.snapshots],
+               start_timings=cb.session.start_timings)
     print("NODES " + json.dumps(out), flush=True)
 
 

@@ -64,6 +64,7 @@ class ExportSession:
         self._lock = None
         self._created_dir = False
         self.is_open = False  # between start() and close()
+        self.start_timings: dict = {}  # seconds of start()'s parts (the visibility proof's, with several ranks)
         self.pattern = snapshot_step_pattern(config.export.name_template)
         self.committer = Committer(config, self.ctx, self.output_dir, self.pattern)
 
@@ -127,9 +128,12 @@ class ExportSession:
         """Every rank reads the coordinator's token in each target and makes a file there; one exchange."""
         if not targets:
             return
+        t0 = time.perf_counter()
         mine = [visibility.probe(d, t, self.ctx.rank) for (_, d), t in zip(targets, tokens)]
+        t1 = time.perf_counter()
         results = self.ctx.all_gather_object(mine, what="visibility proof")
         self._remove_tokens(targets, tokens)
+        self.start_timings.update(visibility_files_s=t1 - t0, visibility_exchange_s=time.perf_counter() - t1)
         for i, (key, directory) in enumerate(targets):
             what = "" if key == "output_dir" else "the trainer's output_dir (where the checkpoint hook commits) "
             message = visibility.unshared_message(Path(directory), [r[i] for r in results], what)
