@@ -18,15 +18,16 @@ import pytest
 
 pytestmark = pytest.mark.paddleformers
 
+from _filesystems import descriptors_into, fill, free_bytes, listing, mounted, remount  # noqa: E402
+
 from paddle_fullparam_callbacks import _faults  # noqa: E402
 from paddle_fullparam_callbacks.cli.demo import make_tiny_llama  # noqa: E402
 from paddle_fullparam_callbacks.config import load_config  # noqa: E402
 from paddle_fullparam_callbacks.export import ExportError, ExportSession, verify_snapshot  # noqa: E402
-from paddle_fullparam_callbacks.export.commit import LOCK, lock as lockmod, room  # noqa: E402
+from paddle_fullparam_callbacks.export.commit import LOCK, room  # noqa: E402
+from paddle_fullparam_callbacks.export.commit import lock as lockmod
 from paddle_fullparam_callbacks.export.write import writer  # noqa: E402
 from paddle_fullparam_callbacks.models.model_info import build_model_source  # noqa: E402
-
-from _filesystems import descriptors_into, fill, free_bytes, listing, mounted, remount  # noqa: E402
 
 # where the disk fills up: before the first shard file is made (its fallocate / first byte), after
 # the first tensor, before the index, before config.json, before the manifest, before latest's content

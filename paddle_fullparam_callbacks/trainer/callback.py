@@ -24,8 +24,8 @@ from ..config.recipes import coerce_config
 from ..config.schema import FullParamConfig
 from ..export.session.session import ExportSession
 from ..export.source import ExportError, SnapshotInfo
-from ..plan.decisions import Decision, decide
 from ..models.model_info import build_model_source, unwrap_model
+from ..plan.decisions import Decision, decide
 from .paths import check_trainer_paths
 from .topology import build_context, expert_axes_of
 

@@ -19,7 +19,13 @@ from .ownership import (
     unmark,
 )
 from .pointers import (
-    POINTERS, check_pointers, discard_pointer, install_pointer, prepare_pointer, read_pointer, write_pointer,
+    POINTERS,
+    check_pointers,
+    discard_pointer,
+    install_pointer,
+    prepare_pointer,
+    read_pointer,
+    write_pointer,
 )
 from .protocol import INDEX, check_output_dir, commit_staging
 
