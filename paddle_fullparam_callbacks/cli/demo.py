@@ -1,6 +1,7 @@
 """``paddle-fullparam demo``: the main job, small enough for a CPU.
 
-Trains a tiny Llama with the PaddleFormers Trainer on generated token sequences, with
+Trains a tiny Llama with the PaddleFormers Trainer on a short text (``demo_data/corpus.txt``) with
+a real tokenizer (``demo_data/tokenizer/``, which every snapshot carries), with
 :class:`FullParamExportCallback` attached, then verifies every snapshot and prints a table.
 The builders here are also what the tests and benchmarks use.
 """
@@ -31,6 +32,41 @@ def make_tiny_llama(framework: str = "paddleformers", seed: int = 0, **overrides
     else:
         raise ValueError(f"unknown framework {framework!r}")
     return LlamaForCausalLM(LlamaConfig(**kwargs))
+
+
+DEMO_DATA = Path(__file__).resolve().parent / "demo_data"
+DEMO_TOKENIZER = DEMO_DATA / "tokenizer"
+"""A byte-level BPE of 512 tokens learnt from the demo's text (``scripts/make_demo_tokenizer.py``):
+the tiny Llama's vocabulary, with its pad/bos/eos ids 0/1/2."""
+HELDOUT_TEXT = DEMO_DATA / "heldout.txt"
+"""Text the demo never trains on: its evaluation set, and the default text of the perplexity evaluator."""
+
+
+def demo_tokenizer():
+    """The demo's tokenizer as PaddleFormers loads one (its ``save_pretrained`` writes what
+    ``transformers.AutoTokenizer`` reads)."""
+    from paddleformers.transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(DEMO_TOKENIZER))
+
+
+class TextDataset:
+    """Windows of ``seq_len + 1`` tokens over a text, every ``stride`` tokens: next-token prediction."""
+
+    def __init__(self, tokenizer, path: Path, seq_len: int = 32, stride: int = 16):
+        import numpy as np
+
+        ids = [i for line in Path(path).read_text().splitlines() if line.strip()
+               for i in tokenizer(line)["input_ids"] + [tokenizer.eos_token_id]]
+        self.rows = [np.asarray(ids[i:i + seq_len + 1], dtype="int64")
+                     for i in range(0, len(ids) - seq_len, stride)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        ids = self.rows[i]
+        return {"input_ids": ids[:-1], "labels": ids[1:]}
 
 
 class TokenDataset:
@@ -67,14 +103,15 @@ def trainer_args(framework: str, output_dir: str, steps: int, **overrides):
     return TrainingArguments(**common)
 
 
-def make_trainer(framework: str, model, args, callbacks, train_dataset=None, eval_dataset=None):
+def make_trainer(framework: str, model, args, callbacks, train_dataset=None, eval_dataset=None, tokenizer=None):
     if framework == "paddleformers":
         from paddleformers.trainer import Trainer
     else:
         from paddlenlp.trainer import Trainer
+    kwargs = {} if tokenizer is None else {"tokenizer": tokenizer}
     return Trainer(
         model=model, args=args, train_dataset=train_dataset or TokenDataset(),
-        eval_dataset=eval_dataset, callbacks=list(callbacks),
+        eval_dataset=eval_dataset, callbacks=list(callbacks), **kwargs,
     )
 
 
@@ -91,8 +128,6 @@ def quiet_framework_logs() -> None:
 DEMO_MARKER = ".paddle-fullparam-demo"
 """Written into the demo's ``--output-dir``: a later demo there may replace its ``snapshots/`` and ``trainer/``."""
 
-EVAL_ROWS = 16
-"""Held-out sequences the demo evaluates on when the recipe uses evaluations."""
 
 
 def check_steps(steps) -> int:
@@ -187,14 +222,16 @@ def run_demo(output_dir: str = "demo_output", recipe: Optional[str] = "demo_tiny
 
     metric = cfg.retention.metric
     evaluate = bool(cfg.trigger.on_evaluate or metric)
+    tokenizer = demo_tokenizer()
+    train_dataset = TextDataset(tokenizer, DEMO_DATA / "corpus.txt")
     extra, eval_dataset, eval_steps = {}, None, None
     if evaluate:
         eval_steps = max(1, steps // 4)
-        eval_dataset = TokenDataset(n=EVAL_ROWS, seed=1)
+        eval_dataset = TextDataset(tokenizer, HELDOUT_TEXT)
         extra = dict(evaluation_strategy="steps", eval_steps=eval_steps, per_device_eval_batch_size=4)
     n = cfg.trigger.every_n_steps
-    print(f"demo: recipe {recipe or '(defaults)'}, {steps} steps" + (f", evaluation every {eval_steps} steps on {EVAL_ROWS} "
-                                                      f"held-out sequences" if evaluate else ""))
+    print(f"demo: recipe {recipe or '(defaults)'}, {steps} steps on {len(train_dataset)} windows of the demo's text"
+          + (f", evaluation every {eval_steps} steps on {len(eval_dataset)} held-out windows" if evaluate else ""))
     if n and n > steps:
         print(f"note: trigger.every_n_steps={n} is more than the {steps} steps of the demo, so it never fires here; "
               f"scale it, e.g. trigger.every_n_steps={max(1, steps // 4)}")
@@ -202,7 +239,8 @@ def run_demo(output_dir: str = "demo_output", recipe: Optional[str] = "demo_tiny
     model = make_tiny_llama("paddleformers")
     args = trainer_args("paddleformers", str(out / "trainer"), steps, **extra)
     recorder = _DemoRecorder()
-    trainer = make_trainer("paddleformers", model, args, [recorder], eval_dataset=eval_dataset)
+    trainer = make_trainer("paddleformers", model, args, [recorder], train_dataset=train_dataset,
+                           eval_dataset=eval_dataset, tokenizer=tokenizer)
     attach(trainer, cb)
     t0 = time.perf_counter()
     trainer.train()

@@ -96,7 +96,12 @@ class ExportConfig:
     """Snapshot directory name inside output_dir: one {step} field as a decimal integer ({step},
     {step:d}, {step:0Nd}); distinct, parseable, safe names for every step (see plan/naming.py)."""
     copy_tokenizer: bool = True
-    """Save the trainer's tokenizer files into each snapshot."""
+    """Write tokenizer (and processor) files into each snapshot: export.tokenizer's, else the trainer's."""
+    tokenizer: Optional[str] = None
+    """A directory whose tokenizer and processor files (tokenizer.json, tokenizer_config.json, vocab and
+    merges files, tokenizer.model, chat_template.jinja, preprocessor_config.json, ...) each snapshot
+    gets, copied as they are: the base model's directory, for instance. Used instead of the trainer's
+    tokenizer; for a trainer without one, snapshots have no tokenizer otherwise (said once at start)."""
     max_pending_bytes: str = "512MB"
     """Host memory the writer may hold for tensors not yet on disk."""
     callable: Optional[str] = None
@@ -130,6 +135,8 @@ class ExportConfig:
             )
         if isinstance(aoa, str) and not aoa.strip():
             raise ConfigError("export.aoa", "is empty; use 'auto'")
+        if self.tokenizer is not None:
+            self._check_tokenizer()
         if self.format == "callable":
             if not self.callable or ":" not in self.callable:
                 raise ConfigError(
@@ -139,6 +146,17 @@ class ExportConfig:
                 )
         elif self.callable:
             raise ConfigError("export.callable", f"is set but export.format is {self.format!r}, not 'callable'")
+
+    def _check_tokenizer(self) -> None:
+        path = self.tokenizer
+        if not isinstance(path, str) or not path.strip():
+            raise ConfigError("export.tokenizer", f"must be a directory path (or null); got {path!r}")
+        if not self.copy_tokenizer:
+            raise ConfigError("export.tokenizer", "is set but export.copy_tokenizer is false: set one or the other")
+        if not os.path.isdir(path):
+            raise ConfigError("export.tokenizer", f"{path!r} is not a directory (give the directory that holds the "
+                                                  "tokenizer files, e.g. the base model's)")
+        # what it holds is checked when the export starts (models/tokenizer.py knows the file names)
 
     @property
     def max_shard_bytes(self) -> int:

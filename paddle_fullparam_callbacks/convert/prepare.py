@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -27,6 +26,8 @@ from typing import Dict, List, Optional, Sequence
 from .. import _dtypes
 from ..config.schema import FullParamConfig
 from ..export.source import ModelSource, SnapshotInfo
+from ..models import tokenizer
+from ..models.tokenizer import TokenizerFiles
 from .checkpoints import Checkpoint, CheckpointError, detect, open_checkpoint
 from .checkpoints._trainer_files import read_json
 
@@ -140,17 +141,6 @@ class CheckpointTensors:
                 "parallel": parallel}
 
 
-class CopiedTokenizer:
-    """The tokenizer files the trainer saved into the checkpoint, copied as ``save_pretrained`` would write them."""
-
-    def __init__(self, files: List[Path]):
-        self.files = list(files)
-
-    def save_pretrained(self, directory: str) -> None:
-        for f in self.files:
-            shutil.copyfile(f, Path(directory) / f.name)
-
-
 @dataclass
 class Conversion:
     """A checked checkpoint, ready to export: its index, the model built from its config, the source."""
@@ -191,8 +181,8 @@ def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
         source.padding_rows.clear()
     source.tensors = CheckpointTensors(ckpt, expected)
     source.notes["converted_from"] = source.tensors.describe()
-    if ckpt.tokenizer_files:
-        source.tokenizer = CopiedTokenizer(ckpt.tokenizer_files)
+    saved = TokenizerFiles(ckpt.tokenizer_files, str(ckpt.path)) if ckpt.tokenizer_files else None
+    source.tokenizer = tokenizer.choose(config.export.tokenizer, saved, warn=config.export.copy_tokenizer)
     step = ckpt.step if step is None else step
     if step is None or step < 0:
         raise ConvertError(f"{path}: no step recorded (trainer_state, checkpoint-N name): give one with --step")

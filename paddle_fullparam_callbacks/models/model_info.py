@@ -221,11 +221,26 @@ def plain_class_name(model) -> str:
     return name
 
 
+# generation settings of the frameworks that transformers' GenerationConfig does not have, or that
+# describe the training run rather than the model (the Trainer turns the cache off while it trains)
+_GENERATION_DROP = ("use_cache", "decode_strategy", "use_fast", "use_fp16_decoding", "trunc_input")
+
+
 def generation_config_dict(model) -> Optional[dict]:
+    """generation_config.json: the token ids of the model's config, and what the model's own
+    ``generation_config`` sets beyond the defaults (PaddleNLP models carry one; a PaddleFormers
+    model built from a config has none)."""
     config = getattr(model, "config", None)
-    if config is None:
-        return None
-    out = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if getattr(config, k, None) is not None}
+    out = {} if config is None else {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                                     if getattr(config, k, None) is not None}
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        try:
+            own = gen.to_diff_dict() if hasattr(gen, "to_diff_dict") else gen.to_dict()
+        except Exception:  # a framework's object we cannot read: the ids still go out
+            own = {}
+        out.update({k: v for k, v in own.items()
+                    if not k.startswith("_") and k not in _GENERATION_DROP and v is not None})
     return out or None
 
 

@@ -24,6 +24,7 @@ from ..config.recipes import coerce_config
 from ..config.schema import FullParamConfig
 from ..export.session.session import ExportSession
 from ..export.source import ExportError, SnapshotInfo
+from ..models import tokenizer as tokenizers
 from ..models.model_info import build_model_source, unwrap_model
 from ..plan.decisions import Decision, decide
 from .paths import check_trainer_paths
@@ -98,7 +99,9 @@ class FullParamExportCallback:
         trainer_dir = getattr(args, "output_dir", None)
         shared = [("checkpoint_hook.enabled", Path(trainer_dir))] if self.config.checkpoint_hook.enabled and trainer_dir else []
         session.start(resume=bool(getattr(state, "global_step", 0)), shared=shared)
-        self._source = build_model_source(model, self.config, tokenizer)
+        exp = self.config.export
+        warn = ctx.is_coordinator and exp.copy_tokenizer and exp.format == "hf_safetensors"
+        self._source = build_model_source(model, self.config, tokenizers.choose(exp.tokenizer, tokenizer, warn))
         session.prepare(self._source)
         self.session = session
 
@@ -189,7 +192,7 @@ class FullParamExportCallback:
         self._last_step, self._last_time = step, time.time()
         self.events.append(f"{reason}@{step}")
         tokenizer = kwargs.get("tokenizer") or kwargs.get("processing_class")
-        if tokenizer is not None:
+        if tokenizer is not None and not self.config.export.tokenizer:  # export.tokenizer's files win
             self._source.tokenizer = tokenizer
         return self._run(lambda: self.session.export(self._source, step, metrics=metrics if reason == "evaluate" else None,
                                                      reason=reason), state)

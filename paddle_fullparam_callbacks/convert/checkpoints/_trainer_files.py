@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from ...export.write.header import parse_json_strict
+from ...models import tokenizer as models_tokenizer
 from ._base import CheckpointError
 from ._pickles import PickleFormatError, load_records, plain
 
@@ -100,11 +101,6 @@ def read_step(path: Path) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-_TOKENIZER = re.compile(
-    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|spiece\.model"
-    r"|sentencepiece\.bpe\.model|.*\.tiktoken|chat_template\.(json|jinja))$")
-
-
 def tokenizer_files(path: Path) -> List[Path]:
     """The tokenizer files the trainer saved into the checkpoint (``tokenizer.save_pretrained``)."""
-    return sorted(p for p in path.iterdir() if p.is_file() and _TOKENIZER.match(p.name))
+    return models_tokenizer.tokenizer_files(path)
