@@ -27,7 +27,7 @@ def main() -> None:
     trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=list(SPECIAL.values()), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator((DATA / "corpus.txt").read_text().splitlines(), trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B:1",
                                                        special_tokens=[("<s>", 1)])
     assert tok.get_vocab_size() == 512, tok.get_vocab_size()
     assert [tok.token_to_id(t) for t in ("<pad>", "<s>", "</s>", "<unk>")] == [0, 1, 2, 3]

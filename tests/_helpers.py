@@ -79,6 +79,15 @@ def run_hf_client(hf_python: str, snapshot: Path, input_ids: np.ndarray, logits:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def use_snapshots(hf_python: str, *snapshots) -> dict:
+    """Each snapshot used as people use one (tokenizer, generate, gguf's input checks: see
+    ``hf_client/use_snapshot.py``), in the real-client environment; {snapshot path: report}."""
+    proc = subprocess.run([hf_python, str(ROOT / "tests" / "hf_client" / "use_snapshot.py"), *map(str, snapshots)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "paddle_fullparam_callbacks", *args], capture_output=True, text=True, cwd=cwd, timeout=600

@@ -94,15 +94,20 @@ class FullParamExportCallback:
             return
         check_trainer_paths(self.config, self._output_dir(args), getattr(args, "output_dir", None))
         ctx = build_context(args, self.config.topology.sharding_stage, expert_axes_of(unwrap_model(model)))
+        exp = self.config.export
+        warn = ctx.is_coordinator and exp.copy_tokenizer and exp.format == "hf_safetensors"
+        tokenizer = tokenizers.choose(exp.tokenizer, tokenizer, warn)  # before anything is made on disk
         session = ExportSession(self.config, self._output_dir(args), fn=self.fn, ctx=ctx)
         # the checkpoint hook commits into <trainer output_dir>/checkpoint-N/: every rank must see it too
         trainer_dir = getattr(args, "output_dir", None)
         shared = [("checkpoint_hook.enabled", Path(trainer_dir))] if self.config.checkpoint_hook.enabled and trainer_dir else []
         session.start(resume=bool(getattr(state, "global_step", 0)), shared=shared)
-        exp = self.config.export
-        warn = ctx.is_coordinator and exp.copy_tokenizer and exp.format == "hf_safetensors"
-        self._source = build_model_source(model, self.config, tokenizers.choose(exp.tokenizer, tokenizer, warn))
-        session.prepare(self._source)
+        try:
+            self._source = build_model_source(model, self.config, tokenizer)
+            session.prepare(self._source)
+        except BaseException:  # refused at start: the directory is released (and removed, if it made it)
+            session.close()
+            raise
         self.session = session
 
     # ---- events ----------------------------------------------------------------------------
