@@ -9,6 +9,7 @@ from typing import Any, Optional, Tuple
 from ..config.schema import FullParamConfig
 from ..assemble.mapping import MappingError
 from ..export.source import ModelSource
+from .fleet import fleet_class, model_config
 from .mappings import check_destination_names, resolve_mapping
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
@@ -89,7 +90,7 @@ def output_embedding(model, sharded_state_dict) -> Tuple[Optional[str], bool]:
     ``tie_word_embeddings=True`` but keeps a separate head, and its OPT defaults to that claim
     while its head (``lm_head.decoder_weight``) is always its own parameter.
     """
-    config = getattr(model, "config", None)
+    config = model_config(model)
     claimed = bool(getattr(config, "tie_word_embeddings", False))
     inp, out = _embedding(model, "input"), _embedding(model, "output")
     if out is None:  # no accessor: the matrix of the model's lm_head, if it has one
@@ -181,7 +182,7 @@ def hf_config_dict(model, tied: bool, preset=None) -> Optional[dict]:
     ``preset``: a mapping preset of this package; its ``hf_config`` translates the keys and it
     names the Hugging Face architecture (a framework's own mapping keeps the framework's names).
     """
-    config = getattr(model, "config", None)
+    config = model_config(model)
     if config is None:
         return None
     from .pipe import is_pipeline_model, plain_config
@@ -214,7 +215,7 @@ def plain_class_name(model) -> str:
     ``Qwen2ForCausalLMDeprecated`` -> ``Qwen2ForCausalLM`` (its pure-Paddle implementation of that class)."""
     from .pipe import plain_counterpart
 
-    plain = plain_counterpart(model)
+    plain = fleet_class(model) or plain_counterpart(model)
     name = plain.__name__ if plain is not None else type(model).__name__
     for suffix in ("Deprecated", "Pipe"):
         name = name[: -len(suffix)] if name.endswith(suffix) else name
@@ -230,7 +231,7 @@ def generation_config_dict(model) -> Optional[dict]:
     """generation_config.json: the token ids of the model's config, and what the model's own
     ``generation_config`` sets beyond the defaults (PaddleNLP models carry one; a PaddleFormers
     model built from a config has none)."""
-    config = getattr(model, "config", None)
+    config = model_config(model)
     out = {} if config is None else {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                                      if getattr(config, k, None) is not None}
     gen = getattr(model, "generation_config", None)
@@ -323,9 +324,9 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
     resolved, mapping_for, check, notes, padding = None, None, None, {}, {}
     if config.export.format != "paddle_safetensors":
         spec = config.export.aoa
-        model_config = getattr(model, "config", None)
-        kwargs = dict(tied=tied, config=single_process_config(model_config) if model_config is not None else None,
-                      parallel=parallel_degrees(model_config))
+        own_config = model_config(model)
+        kwargs = dict(tied=tied, config=single_process_config(own_config) if own_config is not None else None,
+                      parallel=parallel_degrees(own_config))
         resolved = resolve_mapping(spec, model, {k: tuple(sw.global_shape) for k, sw in sd.items()}, **kwargs)
         state = {"resolved": resolved}
 

@@ -11,6 +11,7 @@ import logging
 from typing import Optional
 
 from ..export.session.distributed import DistContext, LocalContext
+from ..models.fleet import model_config
 from ..plan.topology import TopologyPlan, plan_topology
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
@@ -52,7 +53,7 @@ def expert_axes_of(model) -> tuple:
     """The hybrid axes over which the model places different experts on different ranks (by its
     config's ``moe_group``); () for a dense model. The pipe axis is never one (stages hold
     different layers already)."""
-    config = getattr(model, "config", None)
+    config = model_config(model)
     group = getattr(config, "moe_group_origin", None) or getattr(config, "moe_group", None)
     if not isinstance(group, str):
         return ()

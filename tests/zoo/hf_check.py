@@ -3,10 +3,10 @@
     python tests/zoo/hf_check.py RESULTS_JSON [RESULTS_JSON ...]
 
 For each case ``run_zoo.py`` recorded: ``verify --transformers`` (the package's own check:
-transformers' loader on the meta device; missing, unexpected, mis-shaped, mis-typed tensors),
-then, where Paddle's forward ran, the snapshot loaded as a user would
-(``AutoModelForCausalLM.from_pretrained``) and its logits compared with Paddle's. Prints one JSON
-object: case id -> report.
+transformers' loader on the meta device; missing, unexpected, mis-shaped, mis-typed tensors); the
+snapshot used as people use one (its tokenizer, the model, ``generate``; llama.cpp's gguf package's
+input checks: ``hf_client/use_snapshot.py``); then, where Paddle's forward ran, its logits compared
+with Paddle's. Prints one JSON object: case id -> report.
 """
 import json
 import sys
@@ -20,6 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from paddle_fullparam_callbacks.export.verify.hf import verify_with_transformers  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf_client"))
+from use_snapshot import gguf_input_checks, use_with_transformers  # noqa: E402
+
 
 def check(entry: dict) -> dict:
     out = {}
@@ -29,6 +32,11 @@ def check(entry: dict) -> dict:
     if not snapshot:
         return {"error": "no snapshot"}
     out["verify"] = verify_with_transformers(snapshot).as_dict()
+    for key, fn in (("use", use_with_transformers), ("gguf", gguf_input_checks)):  # as people use a snapshot
+        try:
+            out[key] = fn(snapshot)
+        except Exception as e:  # reported per case; the test names it
+            out[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
     if entry.get("forward") and entry.get("logits"):
         model = transformers.AutoModelForCausalLM.from_pretrained(snapshot, dtype=torch.float32)
         model.eval()

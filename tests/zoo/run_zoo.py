@@ -142,12 +142,31 @@ def train_with_callback(case: ZooCase, model, work: Path):
     from paddle_fullparam_callbacks import FullParamExportCallback
     from paddle_fullparam_callbacks.cli.demo import TokenDataset, make_trainer, trainer_args
 
-    cb = FullParamExportCallback(output_dir=str(work / "snapshots"))
+    cb = FullParamExportCallback(output_dir=str(work / "snapshots"), overrides=tokenizer_overrides(case))
     args = trainer_args(case.framework, str(work / "trainer"), STEPS, save_steps=10_000)
     vocab = int(case.config.get("vocab_size", 512))
-    trainer = make_trainer(case.framework, model, args, [cb], train_dataset=TokenDataset(n=16, vocab=vocab))
+    trainer = make_trainer(case.framework, model, args, [cb], train_dataset=TokenDataset(n=16, vocab=vocab),
+                           tokenizer=trainer_tokenizer(case))
     trainer.train()
     return cb
+
+
+def trainer_tokenizer(case: ZooCase):
+    """PaddleFormers cases: the Trainer is given the demo's tokenizer (512 tokens, the zoo's vocabulary),
+    as a user gives a Trainer its tokenizer; the snapshot gets what its save_pretrained writes."""
+    if case.framework != "paddleformers":
+        return None
+    from paddle_fullparam_callbacks.cli.demo import demo_tokenizer
+
+    return demo_tokenizer()
+
+
+def tokenizer_overrides(case: ZooCase) -> list:
+    """PaddleNLP cases (its environment has no `tokenizers` library to load that tokenizer): the same
+    files through export.tokenizer, as for a trainer without a tokenizer."""
+    from paddle_fullparam_callbacks.cli.demo import DEMO_TOKENIZER
+
+    return [] if case.framework == "paddleformers" else [f"export.tokenizer={DEMO_TOKENIZER}"]
 
 
 def export_without_training(model, work: Path):
@@ -155,7 +174,9 @@ def export_without_training(model, work: Path):
     from paddle_fullparam_callbacks.export import ExportSession
     from paddle_fullparam_callbacks.models.model_info import build_model_source
 
-    cfg = load_config(None, [f"output_dir={work / 'snapshots'}"])
+    from paddle_fullparam_callbacks.cli.demo import DEMO_TOKENIZER
+
+    cfg = load_config(None, [f"output_dir={work / 'snapshots'}", f"export.tokenizer={DEMO_TOKENIZER}"])
     session = ExportSession(cfg, cfg.output_dir)
     session.start()
     return session.export(build_model_source(model, cfg), 0, reason="zoo"), session

@@ -64,6 +64,13 @@ def check_case(case, entry: dict, hf: dict) -> None:
             assert entry["reload_max_abs_diff"] <= TOLERANCE, entry
         else:  # a known defect of the framework's loader: still there (else this case should say so)
             assert entry.get("reload_error") or entry["reload_max_abs_diff"] > TOLERANCE, entry
+    # used as people use a snapshot: its tokenizer, generate, and what llama.cpp's converter checks
+    use, gg = hf["use"], hf["gguf"]
+    assert "error" not in use, use.get("error")
+    assert use["vocab"] == 512 and len(use["generated_ids"]) == 8 and use["text"].strip(), use
+    assert use["missing_keys"] == use["unexpected_keys"] == use["mismatched_keys"] == [], use
+    assert gg.get("vocab_size") == 512 and gg["special_tokens"].get("bos") == 1, gg
+    assert gg.get("unmapped", []) == [], gg  # every tensor has its GGUF name (where llama.cpp maps them 1:1)
     for expected in case.extra.get("repairs", ()):
         assert any(expected in r for r in notes.get("mapping_repairs", [])), notes
 

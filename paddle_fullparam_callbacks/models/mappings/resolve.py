@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from ...config.schema import ConfigError
+from ..fleet import fleet_class, instance_attribute
+from ..fleet import model_config as config_of  # the name model_config is a local variable below
 from .base import AUTO, PRESETS, MappingContext, Preset
 
 
@@ -48,13 +50,21 @@ def auto_preset(model) -> Optional[Preset]:
 
 
 def _own_method(model, name: str):
-    """A mapping method the model's class really defines (not one conjured by a ``__getattr__``
-    that falls back to the config, as PaddleNLP's OPT does, returning None)."""
+    """A mapping method the model really has: set on the instance (a paddlefleet build, see
+    ``models/fleet.py``) or defined by its class (not one conjured by a ``__getattr__`` that falls
+    back to the config, as PaddleNLP's OPT does, returning None)."""
+    own = instance_attribute(model, name)
+    if callable(own):
+        return own
     for cls in type(model).__mro__:
         if name in vars(cls):
             fn = getattr(model, name)
             return fn if callable(fn) else None
     return None
+
+
+def _owner(model) -> type:
+    return fleet_class(model) or type(model)
 
 
 def known_architectures() -> str:
@@ -202,7 +212,7 @@ def resolve_mapping(spec, model, shapes: Dict[str, Tuple[int, ...]], tied: bool 
     ctx = MappingContext(dict(config or {}), tied, dict(shapes), dict(parallel or {}))
     if isinstance(spec, (list, tuple)):
         return ResolvedMapping({"aoa_statements": list(spec)}, "export.aoa statements")
-    model_config = getattr(model, "config", None)
+    model_config = config_of(model)
     if spec == "auto":
         preset = auto_preset(model)
         if preset is not None:
@@ -210,12 +220,12 @@ def resolve_mapping(spec, model, shapes: Dict[str, Tuple[int, ...]], tied: bool 
         own = _own_method(model, "_gen_inv_aoa_config")
         if own is not None:
             cfg, repairs = _repair_framework_mapping(dict(own(model_config)), tied, shapes)
-            return ResolvedMapping(cfg, f"{type(model).__name__}._gen_inv_aoa_config", repairs=repairs, vouched=True)
+            return ResolvedMapping(cfg, f"{_owner(model).__name__}._gen_inv_aoa_config", repairs=repairs, vouched=True)
         own = _own_method(model, "_gen_aoa_config")
         if own is not None:
             cfg = dict(own(model_config))
             cfg["aoa_config_reverse"] = True
-            return ResolvedMapping(cfg, f"{type(model).__name__}._gen_aoa_config (reversed)", vouched=True)
+            return ResolvedMapping(cfg, f"{_owner(model).__name__}._gen_aoa_config (reversed)", vouched=True)
         cls = type(model)
         raise ConfigError(
             "export.aoa",
