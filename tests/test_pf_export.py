@@ -185,10 +185,15 @@ def test_mapping_that_does_not_apply_fails_before_any_byte(tmp_path):
 def test_mapping_file_with_split_assembles_each_part(tmp_path):
     model = make_tiny_llama(seed=1, tie_word_embeddings=False)
     mapping = tmp_path / "map.json"
+    # only the split parts are exported (the rest, in Paddle's [in, out] layout under its HF name, would be
+    # refused: transformers would load those Linear weights transposed)
     mapping.write_text(json.dumps([s for layer in (0, 1) for s in (
         f"model.layers.{layer}.self_attn.q_proj.weight -> qa, model.layers.{layer}.qb, axis=1",
         f"qa -> model.layers.{layer}.self_attn.q_half.weight",
-    )]))
+    )] + [f"model.layers.{layer}.{n}.weight -> _" for layer in (0, 1) for n in (
+        "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+        "input_layernorm", "post_attention_layernorm")] + [f"{n} -> _" for n in (
+        "model.embed_tokens.weight", "model.norm.weight")] + ["lm_head.weight -> lm_head.weight"]))
     info = _export(model, tmp_path / "out", f"export.aoa={mapping}")
     got = snapshot_tensors(info.path)
     for layer in (0, 1):

@@ -152,7 +152,7 @@ def test_config_json_of_a_parallel_job_loads_back_single_process(tmp_path):
 # ---- verify --transformers: transformers' own loader on the meta device --------------------
 
 @pytest.mark.hf_client
-def test_verify_transformers_reports_what_transformers_would_invent(tmp_path, hf_python):
+def test_verify_transformers_reports_what_transformers_would_invent(tmp_path, hf_python, monkeypatch):
     import subprocess
 
     from _helpers import ROOT
@@ -166,6 +166,11 @@ def test_verify_transformers_reports_what_transformers_would_invent(tmp_path, hf
              .replace("mlp.up_proj.weight^T ->", "mlp.up_proj.weight ->") for st in own]
     assert stmts != own
     (tmp_path / "map.json").write_text(json.dumps(stmts))
+    with pytest.raises(ExportError, match=r"model.layers.0.mlp.up_proj.weight is \[64, 128\], expected \[128, 64\]"):
+        _export(tmp_path / "refused", model, f"export.aoa={tmp_path / 'map.json'}")  # the package's own check
+    assert listing(tmp_path / "refused") == []
+    # with that check switched off, the snapshot is written, and verify --transformers must catch both
+    monkeypatch.setattr("paddle_fullparam_callbacks.models.model_info.check_layout", lambda *a, **k: None)
     bad = _export(tmp_path / "bad", model, f"export.aoa={tmp_path / 'map.json'}").path
     assert verify_snapshot(bad).ok  # intact as files: only transformers can tell
 

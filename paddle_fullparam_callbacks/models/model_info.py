@@ -9,7 +9,9 @@ from typing import Any, Optional, Tuple
 from ..config.schema import FullParamConfig
 from ..assemble.mapping import MappingError
 from ..export.source import ModelSource
+from . import tokenizer as tokenizers
 from .fleet import fleet_class, model_config
+from .mapping_check import check_layout
 from .mappings import check_destination_names, resolve_mapping
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
@@ -265,8 +267,8 @@ def embedding_padding_row(model, sharded_state_dict) -> Optional[Tuple[str, int]
     return key, int(pad) if pad >= 0 else int(weight.shape[0]) + int(pad)
 
 
-def _check_mapping(dmap, resolved, spec, tied: bool, lm_head_source: Optional[str]) -> None:
-    """Refuse mappings that would make transformers fill in random weights, before any byte."""
+def _check_mapping(dmap, resolved, spec, tied: bool, lm_head_source: Optional[str], hf_config: Optional[dict]) -> None:
+    """Refuse mappings that would make transformers fill in random weights, or load wrong ones, before any byte."""
     check_destination_names(dmap.names, resolved.destination_pattern, spec)
     head = resolved.preset.lm_head if resolved.preset is not None else "lm_head.weight"
     if resolved.vouched:
@@ -295,6 +297,8 @@ def _check_mapping(dmap, resolved, spec, tied: bool, lm_head_source: Optional[st
             f"exports no {head!r}: transformers would initialise the LM head at random. Give a mapping that "
             "exports it with export.aoa"
         )
+    if hf_config is not None:
+        check_layout(dmap, resolved.aoa_config, hf_config, resolved.source)
 
 
 def _family(name: str) -> str:
@@ -321,13 +325,14 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
     hf = config.export.format == "hf_safetensors"
     sd = read()
     lm_head, tied = output_embedding(model, sd)
-    resolved, mapping_for, check, notes, padding = None, None, None, {}, {}
+    resolved, mapping_for, check, notes, padding, hf_config = None, None, None, {}, {}, None
     if config.export.format != "paddle_safetensors":
         spec = config.export.aoa
         own_config = model_config(model)
         kwargs = dict(tied=tied, config=single_process_config(own_config) if own_config is not None else None,
                       parallel=parallel_degrees(own_config))
         resolved = resolve_mapping(spec, model, {k: tuple(sw.global_shape) for k, sw in sd.items()}, **kwargs)
+        hf_config = hf_config_dict(model, tied, resolved.preset) if hf else None
         state = {"resolved": resolved}
 
         def mapping_for(shapes):  # every mesh rank's tensors: the mapping of the whole model
@@ -344,7 +349,7 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
             return whole.aoa_config
 
         notes["mapping"] = resolved.source
-        check = lambda dmap: _check_mapping(dmap, state["resolved"], spec, tied, lm_head)  # noqa: E731
+        check = lambda dmap: _check_mapping(dmap, state["resolved"], spec, tied, lm_head, hf_config)  # noqa: E731
         pad = embedding_padding_row(model, sd) if hf else None
         if pad is not None:
             key, row = pad
@@ -361,9 +366,9 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
         sharded_state_dict=read,
         aoa_config=resolved.aoa_config if resolved else None,
         mapping_for=mapping_for,
-        hf_config=hf_config_dict(model, tied, resolved.preset if resolved else None) if hf else None,
+        hf_config=hf_config if resolved else (hf_config_dict(model, tied) if hf else None),
         generation_config=generation_config_dict(model) if hf else None,
-        tokenizer=tokenizer,
+        tokenizer=tokenizers.choose(config.export.tokenizer, tokenizer, warn=False),  # export.tokenizer's files win
         framework=framework_of(model),
         check_mapping=check,
         padding_rows=padding,

@@ -62,8 +62,10 @@ NO_TOKENIZER = ("the trainer has no tokenizer and export.tokenizer is not set: s
 
 def choose(config_path: Optional[str], trainer_tokenizer: Any, warn: bool) -> Any:
     """The tokenizer a snapshot is given: export.tokenizer's files, else the trainer's, else None (with
-    the warning once, where ``warn``)."""
+    the warning, where ``warn``: once per job, at start)."""
     if config_path:
+        if isinstance(trainer_tokenizer, TokenizerFiles) and trainer_tokenizer.origin == str(config_path):
+            return trainer_tokenizer
         return TokenizerFiles.from_directory(config_path)
     if trainer_tokenizer is None and warn:
         logger.warning("%s", NO_TOKENIZER)

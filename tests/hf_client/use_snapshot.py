@@ -21,10 +21,11 @@ PROMPT = "The river town"
 NEW_TOKENS = 8
 
 # config.json architecture -> llama.cpp architecture whose tensors convert_hf_to_gguf.py maps one by
-# one (MoE experts, fused tensors and other rewrites are done by the converter's model classes first)
+# one (MoE experts, fused tensors, Bloom's "transformer." prefix and other rewrites are done by the
+# converter's model classes first: those architectures are not checked name by name here)
 GGUF_ARCH = {
     "LlamaForCausalLM": "LLAMA", "Qwen2ForCausalLM": "QWEN2", "Qwen3ForCausalLM": "QWEN3", "Phi3ForCausalLM": "PHI3",
-    "Gemma3ForCausalLM": "GEMMA3", "GPT2LMHeadModel": "GPT2", "BloomForCausalLM": "BLOOM", "GPTJForCausalLM": "GPTJ",
+    "Gemma3ForCausalLM": "GEMMA3", "GPT2LMHeadModel": "GPT2", "GPTJForCausalLM": "GPTJ",
     "Ernie4_5ForCausalLM": "ERNIE4_5",
 }
 
