@@ -230,8 +230,10 @@ def run_demo(output_dir: str = "demo_output", recipe: Optional[str] = "demo_tiny
         eval_dataset = TextDataset(tokenizer, HELDOUT_TEXT)
         extra = dict(evaluation_strategy="steps", eval_steps=eval_steps, per_device_eval_batch_size=4)
     n = cfg.trigger.every_n_steps
-    print(f"demo: recipe {recipe or '(defaults)'}, {steps} steps on {len(train_dataset)} windows of the demo's text"
+    print(f"demo: recipe {recipe or '(defaults)'}, {steps} steps"
           + (f", evaluation every {eval_steps} steps on {len(eval_dataset)} held-out windows" if evaluate else ""))
+    print(f"training text: {len(train_dataset)} windows of the demo's text, its {len(tokenizer)}-token tokenizer "
+          "(every snapshot carries it)")
     if n and n > steps:
         print(f"note: trigger.every_n_steps={n} is more than the {steps} steps of the demo, so it never fires here; "
               f"scale it, e.g. trigger.every_n_steps={max(1, steps // 4)}")
