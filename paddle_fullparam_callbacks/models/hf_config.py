@@ -125,6 +125,31 @@ def describe(config, tied: Optional[bool] = None, nested: bool = False) -> dict:
     return _rope(out)
 
 
+# model types whose config.json transformers cannot load as the framework writes it, and that no rule of
+# this module can make right: refused before the first byte (a preset that translates the config may
+# still export them). Evidence: docs/models.md, "What is refused".
+UNLOADABLE = {
+    "ernie4_5_moe_vl": (
+        "transformers 5.24 cannot load PaddleFormers' Ernie4.5-VL-MoE config.json (model_type 'ernie4_5_moe_vl'; "
+        "transformers knows the architecture as 'ernie4_5_vl_moe', with nested text and vision configs whose keys "
+        "differ: one expert count for both modalities, mrope_section instead of freq_allocation, the vision "
+        "tower's hidden_size instead of embed_dim), and its model holds moe_statics.e_score_correction_bias "
+        "tensors this model has only with moe_use_aux_free. A translation cannot be checked against Paddle's "
+        "logits here (its forward needs GPU kernels), so no snapshot is written. Export Paddle names with "
+        "export.format=paddle_safetensors, or give a preset that translates the config"
+    ),
+}
+
+
+def check_loadable(config) -> None:
+    """Refuse a model whose config.json transformers cannot load (:data:`UNLOADABLE`), with the reason."""
+    from ..config.schema import ConfigError
+
+    why = UNLOADABLE.get(getattr(config, "model_type", None) or getattr(type(config), "model_type", None))
+    if why:
+        raise ConfigError("export.format", f"{type(config).__name__}: {why}")
+
+
 def _rope(out: dict) -> dict:
     if isinstance(out.get("rope_parameters"), dict) and out.get("rope_scaling") == out["rope_parameters"]:
         out.pop("rope_scaling")
@@ -135,4 +160,4 @@ def _rope(out: dict) -> dict:
     return out
 
 
-__all__ = ["ACTIVATION_NAMES", "describe", "config_dict", "generic_defaults", "is_config"]
+__all__ = ["ACTIVATION_NAMES", "UNLOADABLE", "check_loadable", "describe", "config_dict", "generic_defaults", "is_config"]

@@ -11,7 +11,7 @@ from ..assemble.mapping import MappingError
 from ..export.source import ModelSource
 from .hf_config import PARALLEL_KEY as _PARALLEL_KEY  # noqa: F401  (convert/prepare.py reads it here)
 from .hf_config import config_dict as _config_dict
-from .hf_config import describe
+from .hf_config import check_loadable, describe
 from .mappings import check_destination_names, resolve_mapping
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
@@ -126,6 +126,8 @@ def hf_config_dict(model, tied: bool, preset=None) -> Optional[dict]:
         return None
     from .pipe import is_pipeline_model, plain_config
 
+    if preset is None:
+        check_loadable(config)
     out = single_process_config(config, tied)
     if is_pipeline_model(model):
         # a *ForCausalLMPipe rewrote its config in place (see pipe.py): the snapshot

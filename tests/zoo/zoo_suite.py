@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mm_zoo  # noqa: E402  (tests/zoo, on the path of its importers)
+
 HERE = Path(__file__).resolve().parent
 TOLERANCE = 1e-4  # fp32 logits, max abs diff
 # per case, the digest of where every element of the snapshot comes from (run_zoo.mapping_digest),
@@ -56,7 +58,9 @@ def check_case(case, entry: dict, hf: dict) -> None:
         # the embedding's padding row: zeros in the snapshot when untied, kept (and said) when tied
         key = "padding_row_kept" if entry["tied"] else "padding_rows_zeroed"
         assert list(notes.get(key, {}).values()) == [entry["padding_row"]], notes
-    if case.no_forward is None:
+    if case.extra.get("multimodal"):  # image-text-to-text (mm_zoo.py): text and one image, processor files
+        mm_zoo.check(case, entry, hf)
+    elif case.no_forward is None:
         assert hf["class"] == case.hf_class
         assert hf["max_abs_diff"] is not None and hf["max_abs_diff"] <= TOLERANCE, hf
         if case.reload is None:  # the framework's own from_pretrained, single process, same logits
