@@ -20,10 +20,13 @@ rule to the top level and to each sub-config, whatever the architecture:
 6. in a sub-config: ``architectures`` is dropped and ``tie_word_embeddings`` is the snapshot's real
    tie (transformers 5 turns the model's tie on when ``text_config`` says so);
 7. activation names are spelled as transformers spells them (:data:`ACTIVATION_NAMES`);
-8. a ``rope_scaling`` equal to ``rope_parameters`` is dropped (transformers 5 reads the latter), and
-   a legacy ``type`` next to ``rope_type``.
+8. a ``rope_scaling`` that is empty or equal to ``rope_parameters`` is dropped (transformers 5
+   reads the latter), and a legacy ``type`` next to ``rope_type``.
 
-A text model's config.json is what it was before this module (steps 6-8 find nothing to do there).
+Kept on purpose: keys transformers ignores but PaddleFormers reads back (``fuse_rms_norm``: its reload
+on a CPU needs the unfused norm; ``rope_theta`` next to ``rope_parameters``). A text model's
+config.json is what it was before this rule covered sub-configs, but for step 8 (GPT-OSS and
+DeepSeek-V3 lose a ``rope_scaling`` that repeated ``rope_parameters``).
 """
 from __future__ import annotations
 
@@ -151,7 +154,8 @@ def check_loadable(config) -> None:
 
 
 def _rope(out: dict) -> dict:
-    if isinstance(out.get("rope_parameters"), dict) and out.get("rope_scaling") == out["rope_parameters"]:
+    if out.get("rope_scaling") == {} or (isinstance(out.get("rope_parameters"), dict)
+                                         and out.get("rope_scaling") == out["rope_parameters"]):
         out.pop("rope_scaling")
     for key in ("rope_parameters", "rope_scaling"):
         rope = out.get(key)
