@@ -20,13 +20,11 @@ rule to the top level and to each sub-config, whatever the architecture:
 6. in a sub-config: ``architectures`` is dropped and ``tie_word_embeddings`` is the snapshot's real
    tie (transformers 5 turns the model's tie on when ``text_config`` says so);
 7. activation names are spelled as transformers spells them (:data:`ACTIVATION_NAMES`);
-8. a ``rope_scaling`` that is empty or equal to ``rope_parameters`` is dropped (transformers 5
-   reads the latter), and a legacy ``type`` next to ``rope_type``.
 
-Kept on purpose: keys transformers ignores but PaddleFormers reads back (``fuse_rms_norm``: its reload
-on a CPU needs the unfused norm; ``rope_theta`` next to ``rope_parameters``). A text model's
-config.json is what it was before this rule covered sub-configs, but for step 8 (GPT-OSS and
-DeepSeek-V3 lose a ``rope_scaling`` that repeated ``rope_parameters``).
+Kept on purpose: keys transformers ignores but PaddleFormers reads back when it reloads the snapshot
+(``fuse_rms_norm``: a reload on a CPU needs the unfused norm; ``rope_scaling`` beside
+``rope_parameters``: PaddleOCR-VL's attention reads ``rope_scaling["mrope_section"]``; ``rope_theta``).
+A text model's config.json is byte for byte what it was before this rule covered sub-configs.
 """
 from __future__ import annotations
 
@@ -125,7 +123,7 @@ def describe(config, tied: Optional[bool] = None, nested: bool = False) -> dict:
         if _ACTIVATION_KEY.search(k) and isinstance(v, str):
             v = ACTIVATION_NAMES.get(v, v)
         out[k] = v
-    return _rope(out)
+    return out
 
 
 # model types whose config.json transformers cannot load as the framework writes it, and that no rule of
@@ -151,17 +149,6 @@ def check_loadable(config) -> None:
     why = UNLOADABLE.get(getattr(config, "model_type", None) or getattr(type(config), "model_type", None))
     if why:
         raise ConfigError("export.format", f"{type(config).__name__}: {why}")
-
-
-def _rope(out: dict) -> dict:
-    if out.get("rope_scaling") == {} or (isinstance(out.get("rope_parameters"), dict)
-                                         and out.get("rope_scaling") == out["rope_parameters"]):
-        out.pop("rope_scaling")
-    for key in ("rope_parameters", "rope_scaling"):
-        rope = out.get(key)
-        if isinstance(rope, dict) and "type" in rope and "rope_type" in rope:
-            out[key] = {a: b for a, b in rope.items() if a != "type"}
-    return out
 
 
 __all__ = ["ACTIVATION_NAMES", "UNLOADABLE", "check_loadable", "describe", "config_dict", "generic_defaults", "is_config"]

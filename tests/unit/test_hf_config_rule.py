@@ -60,11 +60,9 @@ def test_every_level_gets_the_same_rule():
     assert out["text_config"]["tie_word_embeddings"] is False and out["vision_config"]["tie_word_embeddings"] is False
     assert "architectures" not in out["vision_config"]
     assert out["vision_config"]["hidden_act"] == "gelu_pytorch_tanh"
-    # rope_scaling repeating rope_parameters, or empty, is dropped; the legacy "type" next to "rope_type" too
-    assert "rope_scaling" not in out["text_config"] and "rope_scaling" not in out["vision_config"]
-    assert out["text_config"]["rope_parameters"] == {"rope_type": "default", "mrope_section": [2, 3, 3]}
-    # what the framework reads back on reload stays
+    # what the framework reads back on reload stays (PaddleOCR-VL's attention reads rope_scaling)
     assert out["text_config"]["fuse_rms_norm"] is False
+    assert out["text_config"]["rope_scaling"] == out["text_config"]["rope_parameters"]
     assert out["text_config"]["model_type"] == "toy_vl_text" and out["image_token_id"] == 500
 
 

@@ -221,8 +221,8 @@ def run_case(case: ZooCase, out: Path) -> dict:
     entry["snapshot"] = str(snapshot) if snapshot else None
     if snapshot is not None:
         entry["manifest_model"] = json.loads((Path(snapshot) / "fullparam_manifest.json").read_text()).get("model")
-    if mm and case.no_forward is None:  # text and one image (mm_zoo.py); no reload
-        entry.update(mm_zoo.record(case, model, work))
+    if mm and case.no_forward is None:  # text and one image (mm_zoo.py), and the reload
+        entry.update(mm_zoo.record(case, model, work, lambda ids: reload_logits(case, Path(snapshot), ids, "eval")))
     elif case.no_forward is None:
         # tied with a padding row: the row is also an output row, so the snapshot keeps it (and says
         # so) and transformers embeds that id as the row where Paddle gives zeros: compare without it
