@@ -45,3 +45,6 @@ def test_right_mappings_are_left_alone():
     assert repair_fused_splits(statements, SOURCES, set(SOURCES)) == (statements, [])
     # not a Linear of the model (an expert bank stored [out, in] already): no evidence, no change
     assert repair_fused_splits([EXPERTS], SOURCES, set()) == ([EXPERTS], [])
+    # a plain split of the transposed tensor names its axis: well defined, left as written
+    axis = f"{P}.0.self_attn.qkv_proj.weight^T -> {P}.0.a.weight, {P}.0.b.weight, axis=1"
+    assert repair_fused_splits([axis], SOURCES, set(SOURCES)) == ([axis], [])

@@ -15,7 +15,8 @@ that defines ``_gen_inv_aoa_config`` finds two other forms, both wrong, both rep
   ``B`` and ``X`` is the weight of a ``paddle.nn.Linear`` of the model (Glm4v-MoE's shared and
   routed experts: exported as Paddle ``[in, out]``). One ``D^T -> D`` per destination is added.
 
-A destination named with placeholders (``$LAYER_ID``, ``$EXPERT_ID``) gets its transposes written
+A plain split of a transposed tensor (``X^T -> A, B, axis=1``, no macro) names its axis and is left
+as written. A destination named with placeholders (``$LAYER_ID``, ``$EXPERT_ID``) gets its transposes written
 for every source the pattern matches in this model (AOAEngine expands placeholders from the source
 names only, and a destination is not a source).
 """
@@ -47,10 +48,13 @@ class _Statement:
         return "," not in self.source and " " not in self.source and bool(self.source)
 
     @property
+    def macro(self) -> bool:
+        return any(t in _SPLIT_MACROS for t in self.tags)
+
+    @property
     def is_split(self) -> bool:
         """A split of one tensor by a fused macro (any number of destinations) or into several by axis=."""
-        macro = any(t in _SPLIT_MACROS for t in self.tags)
-        return self.single_source and bool(self.names) and (macro or len(self.names) > 1)
+        return self.single_source and bool(self.names) and (self.macro or len(self.names) > 1)
 
     def rewritten(self) -> str:
         """The statement without the transpose of its source, in the framework's spelling."""
@@ -115,12 +119,14 @@ def repair_fused_splits(statements: Sequence[str], sources: Dict[str, Tuple[int,
         if stmt is None or not stmt.is_split:
             out.append(text)
             continue
-        if stmt.transposed:
+        if stmt.transposed and stmt.macro:  # a plain `X^T -> A, B, axis=k` says which axis: as written
             before_split.append(text)
             out.append(stmt.rewritten())
             out += _transposes(stmt, names)
             continue
         out.append(text)
+        if stmt.transposed:
+            continue
         instances = _instances(stmt, names)
         linear = {_fill(stmt.source, v) for v in instances} & (linear_weights or set())
         parts = [_fill(d, v) for v in instances for d in stmt.names]
