@@ -12,6 +12,9 @@ from ..export.source import ModelSource
 from . import tokenizer as tokenizers
 from .fleet import fleet_class, model_config
 from .mapping_check import check_layout
+from .hf_config import PARALLEL_KEY as _PARALLEL_KEY  # noqa: F401  (convert/prepare.py reads it here)
+from .hf_config import config_dict as _config_dict
+from .hf_config import check_loadable, describe
 from .mappings import check_destination_names, resolve_mapping
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
@@ -32,30 +35,6 @@ def unwrap_model(model):
 def framework_of(model) -> str:
     root = type(model).__module__.split(".")[0]
     return root if root in ("paddleformers", "paddlenlp") else "paddle"
-
-
-# runtime switches of the Paddle config that would change what an HF model returns or how it runs;
-# use_cache among them: the PaddleFormers Trainer sets it on the live config from
-# TrainingArguments.use_cache (default False) while it trains, and a snapshot is for inference
-# (left out, the loading class's default applies: the KV cache on)
-_RUNTIME_KEYS = ("return_dict", "output_hidden_states", "output_attentions", "torchscript", "use_cache")
-# generation settings belong in generation_config.json, not config.json (transformers >= 4.41 warns)
-_GENERATION_KEYS = (
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
-    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
-    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
-    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
-    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
-    "suppress_tokens", "begin_suppress_tokens",
-)
-
-
-def _jsonable(obj):
-    try:
-        json.dumps(obj)
-        return True
-    except (TypeError, ValueError):
-        return False
 
 
 def _layer_weight(layer):
@@ -115,35 +94,6 @@ def weights_tied(model) -> bool:
     return output_embedding(model, model.sharded_state_dict())[1]
 
 
-# parallel-degree keys of PaddleFormers / PaddleNLP configs: a snapshot is a single-process model,
-# so they take the framework's single-process default (a reload with tensor_model_parallel_size=2
-# on one process fails in PaddleFormers)
-_PARALLEL_KEY = re.compile(
-    r"^((tensor|pipeline|context|sep|expert|virtual_pipeline)_(model_)?parallel_(size|degree|rank)"
-    r"|tensor_parallel_(degree|rank|output)|sequence_parallel|sep_parallel_(size|degree))$"
-)
-# keys of the frameworks' generic config base class that transformers reads too
-_HF_COMMON = {"architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"}
-
-
-def _config_dict(config) -> dict:
-    try:
-        return dict(config.to_dict(saving_file=True))
-    except TypeError:
-        return dict(config.to_dict())
-
-
-def _generic_defaults(config) -> dict:
-    """The framework's generic ``PretrainedConfig()`` values (training and parallel machinery)."""
-    for cls in type(config).__mro__:
-        if cls.__name__ == "PretrainedConfig":
-            try:
-                return _config_dict(cls())
-            except Exception:  # a framework whose base config needs arguments: keep everything
-                return {}
-    return {}
-
-
 def parallel_degrees(config) -> dict:
     """The parallel-degree keys of the model config as the job built it (e.g. tensor_parallel_degree)."""
     if config is None:
@@ -152,26 +102,16 @@ def parallel_degrees(config) -> dict:
             and not isinstance(v, bool)}
 
 
-def single_process_config(config) -> dict:
-    """The model config as the framework's single-process ``save_pretrained`` would describe it.
+def single_process_config(config, tied: Optional[bool] = None) -> dict:
+    """The model config as the framework's single-process ``save_pretrained`` would describe it,
+    nested sub-configs included, by the one rule of ``hf_config.py``.
 
     Every architecture key stays explicit (transformers would otherwise fill in its own defaults,
     which need not be the framework's); parallel-degree keys take their single-process value; the
     framework's generic keys left at their defaults are dropped (they are training machinery,
     e.g. recompute and fusion switches, that neither transformers nor a reload needs spelled out).
     """
-    raw = _config_dict(config)
-    base = _generic_defaults(config)
-    drop = set(_RUNTIME_KEYS) | set(_GENERATION_KEYS)
-    out = {}
-    for k, v in raw.items():
-        if k.startswith("_") or k in drop or not _jsonable(v):
-            continue
-        if k in base and k not in _HF_COMMON:
-            if _PARALLEL_KEY.match(k) or v == base[k]:
-                continue
-        out[k] = v
-    return out
+    return describe(config, tied)
 
 
 def hf_config_dict(model, tied: bool, preset=None) -> Optional[dict]:
@@ -189,16 +129,13 @@ def hf_config_dict(model, tied: bool, preset=None) -> Optional[dict]:
         return None
     from .pipe import is_pipeline_model, plain_config
 
-    out = single_process_config(config)
+    if preset is None:
+        check_loadable(config)
+    out = single_process_config(config, tied)
     if is_pipeline_model(model):
         # a *ForCausalLMPipe rewrote its config in place (see pipe.py): the snapshot
         # describes the plain causal-LM class, with the config that class would have
         out = plain_config(model, out, single_process_config)
-    q = out.get("quantization_config")
-    if not (isinstance(q, dict) and q.get("quant_method")):
-        out.pop("quantization_config", None)  # an empty Paddle quant config would make HF try to quantize
-    for key in ("dtype", "torch_dtype"):
-        out.pop(key, None)  # set by the exporter from the exported dtype
     if preset is not None:
         if preset.hf_config is not None:
             out = preset.hf_config(out)

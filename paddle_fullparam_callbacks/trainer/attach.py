@@ -27,6 +27,7 @@ def attach(trainer, config=None, overrides: Iterable[str] = (), **kwargs) -> Ful
     """
     cb = config if isinstance(config, FullParamExportCallback) else FullParamExportCallback(config, overrides=overrides, **kwargs)
     cb.trainer = trainer
+    cb.processing_class = getattr(trainer, "processing_class", None)  # PaddleFormers hands callbacks the tokenizer only
     trainer.add_callback(cb)
     if cb.config.checkpoint_hook.enabled:
         _hook_checkpoints(trainer, cb)

@@ -24,6 +24,7 @@ from ..config.recipes import coerce_config
 from ..config.schema import FullParamConfig
 from ..export.session.session import ExportSession
 from ..export.source import ExportError, SnapshotInfo
+from ..models import processor as processors
 from ..models import tokenizer as tokenizers
 from ..models.model_info import build_model_source, unwrap_model
 from ..plan.decisions import Decision, decide
@@ -42,6 +43,8 @@ class FullParamExportCallback:
         output_dir: shortcut for the ``output_dir`` key.
         fn: the function for ``export.format=callable``: ``fn(name, tensor, step=...)``.
     """
+
+    processing_class = None  # the trainer's processor, which PaddleFormers does not hand callbacks (attach() sets it)
 
     def __init__(
         self,
@@ -96,6 +99,9 @@ class FullParamExportCallback:
         ctx = build_context(args, self.config.topology.sharding_stage, expert_axes_of(unwrap_model(model)))
         exp = self.config.export
         warn = ctx.is_coordinator and exp.copy_tokenizer and exp.format == "hf_safetensors"
+        tokenizer = processors.with_processor(tokenizer, self.processing_class)
+        if warn and tokenizer is not None and not exp.tokenizer and processors.missing_processor(unwrap_model(model), tokenizer):
+            logger.warning("%s", processors.NO_PROCESSOR)
         tokenizer = tokenizers.choose(exp.tokenizer, tokenizer, warn)  # before anything is made on disk
         session = ExportSession(self.config, self._output_dir(args), fn=self.fn, ctx=ctx)
         # the checkpoint hook commits into <trainer output_dir>/checkpoint-N/: every rank must see it too
@@ -198,7 +204,7 @@ class FullParamExportCallback:
         self.events.append(f"{reason}@{step}")
         tokenizer = kwargs.get("tokenizer") or kwargs.get("processing_class")
         if tokenizer is not None and not self.config.export.tokenizer:  # export.tokenizer's files win
-            self._source.tokenizer = tokenizer
+            self._source.tokenizer = processors.with_processor(tokenizer, self.processing_class)
         return self._run(lambda: self.session.export(self._source, step, metrics=metrics if reason == "evaluate" else None,
                                                      reason=reason), state)
 

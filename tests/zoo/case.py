@@ -29,7 +29,7 @@ class ZooCase:
     # (a mapping known to be wrong that this package cannot repair)
     refused: Optional[str] = None
     # modules that cannot be installed here, replaced by stand-ins before import (the class under
-    # test does not use them; the framework imports them at module level): "gpt_provider", "paddlefleet_ops"
+    # test does not use them; the framework imports them at module level): "gpt_provider", "paddlefleet_ops", "triton"
     shims: tuple = ()
     notes: str = ""
     extra: Dict[str, object] = field(default_factory=dict)

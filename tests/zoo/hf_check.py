@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
 from paddle_fullparam_callbacks.export.verify.hf import verify_with_transformers  # noqa: E402
 
@@ -32,6 +32,11 @@ def check(entry: dict) -> dict:
     if not snapshot:
         return {"error": "no snapshot"}
     out["verify"] = verify_with_transformers(snapshot).as_dict()
+    if entry.get("multimodal"):  # image-text-to-text: hf_mm.py loads and compares it
+        import hf_mm
+
+        out.update(hf_mm.check(entry))
+        return out
     for key, fn in (("use", use_with_transformers), ("gguf", gguf_input_checks)):  # as people use a snapshot
         try:
             out[key] = fn(snapshot)

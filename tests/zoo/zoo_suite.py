@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mm_zoo  # noqa: E402  (tests/zoo, on the path of its importers)
+
 HERE = Path(__file__).resolve().parent
 TOLERANCE = 1e-4  # fp32 logits, max abs diff
 # per case, the digest of where every element of the snapshot comes from (run_zoo.mapping_digest),
@@ -56,23 +58,30 @@ def check_case(case, entry: dict, hf: dict) -> None:
         # the embedding's padding row: zeros in the snapshot when untied, kept (and said) when tied
         key = "padding_row_kept" if entry["tied"] else "padding_rows_zeroed"
         assert list(notes.get(key, {}).values()) == [entry["padding_row"]], notes
-    if case.no_forward is None:
-        assert hf["class"] == case.hf_class
-        assert hf["max_abs_diff"] is not None and hf["max_abs_diff"] <= TOLERANCE, hf
-        if case.reload is None:  # the framework's own from_pretrained, single process, same logits
-            assert entry.get("reload_error") is None, entry.get("reload_error")
-            assert entry["reload_max_abs_diff"] <= TOLERANCE, entry
-        else:  # a known defect of the framework's loader: still there (else this case should say so)
-            assert entry.get("reload_error") or entry["reload_max_abs_diff"] > TOLERANCE, entry
-    # used as people use a snapshot: its tokenizer, generate, and what llama.cpp's converter checks
+    if case.extra.get("multimodal"):  # image-text-to-text (mm_zoo.py): text and one image, processor files
+        mm_zoo.check(case, entry, hf)
+    else:
+        if case.no_forward is None:
+            assert hf["class"] == case.hf_class
+            assert hf["max_abs_diff"] is not None and hf["max_abs_diff"] <= TOLERANCE, hf
+            if case.reload is None:  # the framework's own from_pretrained, single process, same logits
+                assert entry.get("reload_error") is None, entry.get("reload_error")
+                assert entry["reload_max_abs_diff"] <= TOLERANCE, entry
+            else:  # a known defect of the framework's loader: still there (else this case should say so)
+                assert entry.get("reload_error") or entry["reload_max_abs_diff"] > TOLERANCE, entry
+        check_use(hf)
+    for expected in case.extra.get("repairs", ()):
+        assert any(expected in r for r in notes.get("mapping_repairs", [])), notes
+
+
+def check_use(hf: dict) -> None:
+    """Used as people use a snapshot: its tokenizer, generate, and what llama.cpp's converter checks."""
     use, gg = hf["use"], hf["gguf"]
     assert "error" not in use, use.get("error")
     assert use["vocab"] == 512 and len(use["generated_ids"]) == 8 and use["text"].strip(), use
     assert use["missing_keys"] == use["unexpected_keys"] == use["mismatched_keys"] == [], use
     assert gg.get("vocab_size") == 512 and gg["special_tokens"].get("bos") == 1, gg
     assert gg.get("unmapped", []) == [], gg  # every tensor has its GGUF name (where llama.cpp maps them 1:1)
-    for expected in case.extra.get("repairs", ()):
-        assert any(expected in r for r in notes.get("mapping_repairs", [])), notes
 
 
 def zoo_tests(framework: str):

@@ -17,6 +17,7 @@ from ...config.schema import ConfigError
 from ..fleet import fleet_class, instance_attribute
 from ..fleet import model_config as config_of  # the name model_config is a local variable below
 from .base import AUTO, PRESETS, MappingContext, Preset
+from .repairs_fused import linear_weight_names, repair_fused_splits
 
 
 @dataclass
@@ -73,18 +74,11 @@ def known_architectures() -> str:
 
 
 _LM_HEAD_DROP = re.compile(r"^\s*lm_head\.weight\s*->\s*_\s*$")
-_FUSED_ON_T = re.compile(r"^\s*(\S+)\^T\s*->\s*(\S+?)\s*,\s*fused_ffn\s*$")
-def _split_then_transpose(statement: str) -> List[str]:
-    m = _FUSED_ON_T.match(statement)
-    if not m:
-        return [statement]
-    return [f"{m.group(1)} -> {m.group(2)}, fused_ffn", f"{m.group(2)}^T -> {m.group(2)}"]
-
-
 _CAST = re.compile(r"\s*,\s*(src_dtype|dst_dtype|dtype)\s*=\s*['\"]?\w+['\"]?")
 
 
-def _repair_framework_mapping(cfg: dict, tied: bool, source_keys: Iterable[str]) -> Tuple[dict, List[str]]:
+def _repair_framework_mapping(cfg: dict, tied: bool, source_keys: Dict[str, Tuple[int, ...]],
+                              linear_weights: Optional[set] = None) -> Tuple[dict, List[str]]:
     """A framework's own mapping, made to export the model as it is.
 
     - Untied: a mapping that drops lm_head.weight (PaddleFormers 1.2 drops it whenever the config
@@ -100,13 +94,10 @@ def _repair_framework_mapping(cfg: dict, tied: bool, source_keys: Iterable[str])
     if "lm_head.weight" in set(source_keys) and not tied and any(_LM_HEAD_DROP.match(s) for s in statements):
         statements = [("lm_head.weight -> lm_head.weight" if _LM_HEAD_DROP.match(s) else s) for s in statements]
         repairs.append("lm_head.weight exported (the model's LM head is its own weight; the mapping dropped it)")
-    # 'a^T -> b, fused_ffn' splits along the transposed axis, which under tensor parallelism puts
-    # the gate/up halves of each rank in the wrong order (PaddleFormers 1.2's Phi3: logits off by
-    # 2.5 under mp2): split first, then transpose
-    fused = [s for s in statements if _FUSED_ON_T.match(s)]
-    if fused:
-        statements = [x for s in statements for x in _split_then_transpose(s)]
-        repairs.append(f"fused_ffn applied before the transpose in {len(fused)} statement(s), e.g. {fused[0]!r}")
+    # fused splits of a Linear weight in Paddle's [in, out] layout: split first, then transpose each
+    # part (repairs_fused.py: PaddleFormers 1.2's Phi3 and Glm4v-MoE)
+    statements, fused = repair_fused_splits(statements, dict(source_keys), linear_weights)
+    repairs += fused
     statements, idle = _drop_inapplicable(statements, set(source_keys))
     if idle:
         repairs.append(f"{len(idle)} statement(s) about tensors this model does not have removed, e.g. {idle[0]!r}")
@@ -219,7 +210,7 @@ def resolve_mapping(spec, model, shapes: Dict[str, Tuple[int, ...]], tied: bool 
             return _from_preset(preset, ctx)
         own = _own_method(model, "_gen_inv_aoa_config")
         if own is not None:
-            cfg, repairs = _repair_framework_mapping(dict(own(model_config)), tied, shapes)
+            cfg, repairs = _repair_framework_mapping(dict(own(model_config)), tied, shapes, linear_weight_names(model))
             return ResolvedMapping(cfg, f"{_owner(model).__name__}._gen_inv_aoa_config", repairs=repairs, vouched=True)
         own = _own_method(model, "_gen_aoa_config")
         if own is not None:
