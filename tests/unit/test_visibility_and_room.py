@@ -49,5 +49,9 @@ def test_room_with_a_margin(tmp_path, monkeypatch):
     assert room.shortfall(tmp_path, 0, "x") is None
 
 
-def test_free_space_of_a_directory_not_made_yet_is_its_parents(tmp_path):
-    assert room.free_bytes(tmp_path / "a" / "b") == room.free_bytes(tmp_path)
+def test_free_space_of_a_directory_not_made_yet_is_its_parents(tmp_path, monkeypatch):
+    asked = []
+    real = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda p: asked.append(str(p)) or real(p))
+    room.free_bytes(tmp_path / "a" / "b")
+    assert asked == [str(tmp_path)]  # the nearest existing parent's filesystem (free space itself moves)
