@@ -3,12 +3,12 @@
     python check_lora.py CASES.json
 
 CASES.json: a list of {"merged": SNAPSHOT, "ids": IDS.npy, "logits": LOGITS.npy (the Paddle LoRA
-model's forward), "base_logits": NPY (the base weights' forward, the negative control) or null,
-"base": SNAPSHOT of the base weights or null, "adapter": DIR (adapter_model.safetensors +
-adapter_config.json) or null}. For each case, prints nothing; at the end one JSON line: a list of
-reports (merged snapshot: logits difference, missing/unexpected keys; with a base and an adapter:
-peft's load (missing adapter keys, unexpected), the peft model's logits, and which merged tensors
-of ``merge_and_unload()`` differ from the snapshot's, bit for bit).
+model's forward) or absent, "base": SNAPSHOT of the base weights (the negative control: its logits
+must differ) or null, "adapter": DIR (adapter_model.safetensors + adapter_config.json) or null,
+"dtype": the dtype peft loads the base in}. Prints one JSON line: a list of reports (merged
+snapshot: missing/unexpected keys, logits difference to Paddle's and to the base weights'; with a base
+and an adapter: peft's load (missing adapter keys, unexpected), the peft model's logits, and which
+merged tensors of ``merge_and_unload()`` differ from the snapshot's, bit for bit).
 """
 import json
 import sys
@@ -35,19 +35,22 @@ def _snapshot_state(path):
 
 def check(case):
     ids = torch.from_numpy(np.load(case["ids"]).astype("int64"))
-    expected = np.load(case["logits"])
+    expected = np.load(case["logits"]) if case.get("logits") else None
     model, info = transformers.AutoModelForCausalLM.from_pretrained(case["merged"], output_loading_info=True,
                                                                     dtype=torch.float32)
     model.eval()
     got = _logits(model, ids)
     report = {
-        "merged_max_abs_diff": float(np.max(np.abs(got - expected))),
         "missing_keys": sorted(info.get("missing_keys", [])),
         "unexpected_keys": sorted(info.get("unexpected_keys", [])),
         "mismatched_keys": [str(k) for k in info.get("mismatched_keys", [])],
     }
-    if case.get("base_logits"):
-        report["vs_base_logits"] = float(np.max(np.abs(got - np.load(case["base_logits"]))))
+    if expected is not None:
+        report["merged_max_abs_diff"] = float(np.max(np.abs(got - expected)))
+    if case.get("base"):  # the negative control: the base weights' logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(case["base"], dtype=torch.float32)
+        base.eval()
+        report["vs_base_logits"] = float(np.max(np.abs(got - _logits(base, ids))))
     if case.get("adapter") and case.get("base"):
         import peft
         from peft.utils import set_peft_model_state_dict
@@ -62,7 +65,7 @@ def check(case):
         report["peft_unexpected_keys"] = sorted(result.unexpected_keys)
         report["peft_modules"] = sum(1 for _, m in pm.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer))
         report["peft_adapter_tensors"] = len(adapter_sd)
-        if dtype == torch.float32:
+        if dtype == torch.float32 and expected is not None:
             report["peft_max_abs_diff"] = float(np.max(np.abs(_logits(pm, ids) - expected)))
         merged = pm.merge_and_unload().state_dict()
         snap = _snapshot_state(case["merged"])

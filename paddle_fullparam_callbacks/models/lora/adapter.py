@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ...assemble.local import _permutations_and_cast
 from ...assemble.mapping import DestinationMap
 from ...plan.export_plan import TensorSpec, natural_key
-from .layers import LoraError, LoraLayer
+from .layers import LoraError
 
 PREFIX = "base_model.model."
 DIRECTORY = "adapter"
@@ -67,7 +67,7 @@ def _transposed_pieces(name: str, entries, key: str, in_features: int) -> List[T
     return pieces
 
 
-def adapter_map(dmap: DestinationMap, shard_info: Dict[str, list], layers: Sequence[LoraLayer]) -> DestinationMap:
+def adapter_map(dmap: DestinationMap, shard_info: Dict[str, list], layers: Sequence) -> DestinationMap:
     """The adapter's destinations and their source regions, from the snapshot's ``dmap``.
 
     ``shard_info``: the adapter's sources (``lora_A`` / ``lora_B`` keys -> [desc]) as every rank
@@ -111,7 +111,7 @@ def peft_scaling(r: int, alpha, rslora: bool) -> float:
     return alpha / math.sqrt(r) if rslora else alpha / r
 
 
-def adapter_settings(layers: Sequence[LoraLayer]) -> Tuple[int, Any, bool]:
+def adapter_settings(layers: Sequence) -> Tuple[int, Any, bool]:
     """(r, lora_alpha, use_rslora) shared by every layer; a LoraError where peft could not reproduce a
     layer's scaling."""
     pissa = [lay.name for lay in layers if lay.pissa]
@@ -157,5 +157,18 @@ def adapter_config(settings: Tuple[int, Any, bool], targets: List[str], base_mod
     }
 
 
-__all__ = ["CONFIG_FILE", "DIRECTORY", "FILE_PREFIX", "PREFIX", "adapter_config", "adapter_map", "adapter_settings",
+def companion(layers: Sequence, base_model: Optional[str] = None, sharded_state_dict=None, tensors=None):
+    """The adapter as a companion of the snapshot (``<snapshot>/adapter/``), from a live model's slices
+    (``sharded_state_dict``) or from files (``tensors``); refused now where peft cannot follow."""
+    from ...export.source import Companion
+
+    settings = adapter_settings(layers)
+    return Companion(
+        directory=DIRECTORY, file_prefix=FILE_PREFIX,
+        destinations=lambda dmap, shard_info: adapter_map(dmap, shard_info, layers),
+        sharded_state_dict=sharded_state_dict, tensors=tensors,
+        json_files={CONFIG_FILE: lambda dmap, adapter: adapter_config(settings, target_modules(dmap, adapter), base_model)})
+
+
+__all__ = ["CONFIG_FILE", "companion", "DIRECTORY", "FILE_PREFIX", "PREFIX", "adapter_config", "adapter_map", "adapter_settings",
            "peft_scaling", "target_modules"]

@@ -133,5 +133,18 @@ def lora_config_of(model) -> dict:
     return out
 
 
-__all__ = ["LoraError", "LoraLayer", "SUPPORTED", "attach_keys", "find_lora_layers", "is_lora_wrapper",
+def describe(layers, states: dict, config: dict, framework: str, mode: str) -> dict:
+    """The manifest's ``model.lora``: what was exported, with which r, alpha and scaling, the layers' states."""
+    one = lambda values: values[0] if len(set(values)) == 1 else sorted(set(values))  # noqa: E731
+    out = {"export": "merged" if mode == "merge" else "base weights", "framework": framework, "layers": len(layers)}
+    if layers:
+        out.update(r=one([lay.r for lay in layers]), lora_alpha=one([lay.alpha for lay in layers]),
+                   scaling=one([lay.scaling for lay in layers]))
+    out.update({k: v for k, v in config.items() if k in ("rslora", "pissa", "target_modules")})
+    out["targets"] = sorted({lay.name.rsplit(".", 1)[-1] for lay in layers})
+    out["states"] = dict(sorted(states.items()))
+    return out
+
+
+__all__ = ["LoraError", "describe", "LoraLayer", "SUPPORTED", "attach_keys", "find_lora_layers", "is_lora_wrapper",
            "lora_config_of"]

@@ -19,7 +19,7 @@ from ...assemble.mesh import _to_paddle
 from ...export.session.host import to_host_array
 from ...export.source import Companion
 from . import adapter as peft
-from .layers import LoraError, LoraLayer, attach_keys, find_lora_layers, lora_config_of
+from .layers import LoraError, LoraLayer, attach_keys, describe, find_lora_layers, lora_config_of
 from .merge import merged_block
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
@@ -83,30 +83,12 @@ class LoraExport:
     def describe(self, states: Optional[Counter] = None) -> dict:
         """The manifest's ``model.lora``: what was merged, with which r, alpha and scaling."""
         states = states if states is not None else Counter(lay.state() for lay in self.layers)
-        one = lambda values: values[0] if len(set(values)) == 1 else sorted(set(values))  # noqa: E731
-        out = {"export": "merged" if self.mode == "merge" else "base weights", "framework": self.framework,
-               "layers": len(self.layers)}
-        if self.layers:
-            out.update(r=one([lay.r for lay in self.layers]), lora_alpha=one([lay.alpha for lay in self.layers]),
-                       scaling=one([lay.scaling for lay in self.layers]))
-        out.update({k: v for k, v in self.config.items() if k in ("rslora", "pissa", "target_modules")})
-        out["targets"] = sorted({lay.name.rsplit(".", 1)[-1] for lay in self.layers})
-        out["states"] = dict(sorted(states.items()))
-        return out
+        return describe(self.layers, states, self.config, self.framework, self.mode)
 
     def adapter(self) -> Companion:
         """The PEFT adapter as a companion of the snapshot (``<snapshot>/adapter/``)."""
-        settings = peft.adapter_settings(self.layers)  # refused now, before training, where peft cannot follow
-
-        def destinations(dmap, shard_info):
-            return peft.adapter_map(dmap, shard_info, self.layers)
-
-        def config(dmap, adapter_dmap):
-            return peft.adapter_config(settings, peft.target_modules(dmap, adapter_dmap),
-                                       self.config.get("base_model_name_or_path"))
-
-        return Companion(directory=peft.DIRECTORY, file_prefix=peft.FILE_PREFIX, destinations=destinations,
-                         sharded_state_dict=self.lora_state_dict, json_files={peft.CONFIG_FILE: config})
+        return peft.companion(self.layers, self.config.get("base_model_name_or_path"),
+                              sharded_state_dict=self.lora_state_dict)
 
 
 __all__ = ["LoraExport", "merge_transform"]
