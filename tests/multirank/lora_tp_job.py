@@ -84,9 +84,20 @@ def build(framework: str, variant: str, mp: int = 1, mp_rank: int = 0):
     return LoRAModel(base, LoRAConfig(target_modules=targets, **lora_kw)), base
 
 
+def _split_actions(base) -> dict:
+    """PaddleNLP's own split of single-process tensors for this rank (``from_pretrained`` under tensor
+    parallelism): a fused gate/up weight's rank block is [gate_r | up_r], not a contiguous slice."""
+    cfg = base.config
+    if type(base).__module__.startswith("paddlenlp") and getattr(cfg, "tensor_parallel_degree", 1) > 1:
+        return type(base)._get_tensor_parallel_mappings(cfg, is_split=True)
+    return {}
+
+
 def set_values(base) -> dict:
-    """Every tensor of ``base`` (LoRA ones included) := its block of ``global_values``; returns the
-    (fixed) sharded state dict's {key: (global shape, offset)}."""
+    """Every tensor of ``base`` (LoRA ones included) := this rank's block of ``global_values``, placed as
+    the framework places the weight (a column layer's ``lora_B`` and a row layer's ``lora_A`` split like
+    their weight, as training under tensor parallelism leaves them); returns the (fixed) sharded state
+    dict's {key: (global shape, offset)}."""
     import paddle
 
     from paddle_fullparam_callbacks.models.pipe import single_named
@@ -94,10 +105,18 @@ def set_values(base) -> dict:
 
     pad = getattr(base.config, "pad_token_id", None)
     sd = fixed_sharded_state_dict(base, single_named(base))()
+    actions = _split_actions(base)
     with paddle.no_grad():
         for key, sw in sd.items():
             full = global_values(key, sw.global_shape, pad)
-            block = full[tuple(slice(o, o + n) for o, n in zip(sw.global_offset, sw.local_shape))]
+            weight = key.rsplit(".", 1)[0] + ".weight" if key.endswith((".lora_A", ".lora_B")) else key
+            act = actions.get(weight[len("llama."):] if weight.startswith("llama.") else weight)
+            column = act is not None and act.keywords.get("is_column", True)
+            if act is not None and (key == weight or key.endswith(".lora_B") == column):
+                block = act(full)
+            else:
+                block = full[tuple(slice(o, o + n) for o, n in zip(sw.global_offset, sw.local_shape))]
+            assert tuple(block.shape) == tuple(sw.local_tensor.shape), (key, block.shape, sw.local_tensor.shape)
             sw.local_tensor.set_value(paddle.to_tensor(np.ascontiguousarray(block)))
     return {k: (list(map(int, sw.global_shape)), list(map(int, sw.global_offset))) for k, sw in sd.items()}
 
