@@ -12,7 +12,9 @@ checks every snapshot with transformers and peft (``tests/hf_client/check_lora.p
 * ``merge_weights``: ``model.eval()`` merged every layer into its weight: not added twice;
 * ``pissa``: after the first forward the weight is the residual base; the snapshot is what the model
   computes, and the adapter (which would apply to that residual) is refused;
-* ``mp2``, ``mp2-fused``: the callback on 2 ranks equals the one-process export of the same values.
+* ``mp2``, ``mp2-fused``: the callback on 2 ranks equals the one-process export of the same values;
+* ``pp2``: the same on two pipeline stages (``LlamaForCausalLMPipe`` in ``LoRAModel``): each stage
+  merges its own layers; the coordinator's adapter holds the other stage's layers too.
 """
 from __future__ import annotations
 
@@ -100,21 +102,26 @@ def cases(tmp_path_factory):
         out[f"mp2-{variant}"] = _mp2(root / "mp2", variant)
         hf.append(hf_case(root / "hf", f"mp2-{variant}", out[f"mp2-{variant}"]["snapshot"],
                           out[f"mp2-{variant}"]["logits"], out[f"mp2-{variant}"]["base"]))
+    out["pp2"] = _mp2(root / "pp2", "unfused", pp=2)
+    hf.append(hf_case(root / "hf", "pp2", out["pp2"]["snapshot"], out["pp2"]["logits"], out["pp2"]["base"]))
     out["root"], out["hf_cases"] = root, hf
     return out
 
 
-def _mp2(root: Path, variant: str) -> dict:
+def _mp2(root: Path, variant: str, pp: int = 1) -> dict:
+    """mp2 (both variants, one launch), or with ``pp=2`` two pipeline stages (``LlamaForCausalLMPipe``)."""
     if not (root / "log").exists():
+        variants = "unfused,fused" if pp == 1 else "unfused"
         res = harness.run_launch(ROOT / "tests" / "multirank" / "lora_tp_job.py",
-                                 ["--framework", "paddlenlp", "--variants", "unfused,fused", "--out", root], nproc=2,
-                                 log_dir=root / "log", timeout=300)
+                                 ["--framework", "paddlenlp", "--variants", variants, "--out", root, "--pp", pp],
+                                 nproc=2, log_dir=root / "log", timeout=300)
         assert res.rc == 0 and not res.timed_out, res.describe()
         reports = [r for _, r in res.tagged("LORA_TP")]
-        assert len(reports) == 4 and all(not r.get("error") and not r["errors"] for r in reports), reports
+        assert len(reports) == 2 * len(variants.split(",")), reports
+        assert all(not r.get("error") and not r["errors"] for r in reports), reports
     lm, base = lora_tp_job.build("paddlenlp", variant)  # the same model and values on one process
     lora_tp_job.set_values(base)
-    return dict(snapshot=root / variant / "hf-step-000001", logits=logits(lm),
+    return dict(snapshot=root / (variant + ("-pp2" if pp > 1 else "")) / "hf-step-000001", logits=logits(lm),
                 single=export(lm, root / f"single-{variant}", "export.peft_adapter=inside").path,
                 base=export(lm, root / f"base-{variant}", "export.lora=base").path)
 
@@ -124,7 +131,7 @@ def hf_reports(cases, hf_python):
     return run_checks(hf_python, cases["hf_cases"], cases["root"])
 
 
-@pytest.mark.parametrize("name", ["train", "fused", "mp2-unfused", "mp2-fused"])
+@pytest.mark.parametrize("name", ["train", "fused", "mp2-unfused", "mp2-fused", "pp2"])
 def test_merged_snapshot_loads_in_transformers_and_equals_peft_merge_of_its_adapter(cases, hf_reports, name):
     assert_hf_report(hf_reports[name])
     assert verify_snapshot(cases[name]["snapshot"]).ok
@@ -162,9 +169,9 @@ def test_pissa_exports_what_the_model_computes_and_refuses_its_adapter(cases, hf
         export(cases["pissa"]["lm"], tmp_path / "x", "export.peft_adapter=inside")
 
 
-@pytest.mark.parametrize("variant", ["unfused", "fused"])
-def test_mp2_snapshot_and_adapter_equal_the_one_process_export(cases, variant):
-    assert_same_snapshots(cases[f"mp2-{variant}"]["snapshot"], cases[f"mp2-{variant}"]["single"])
+@pytest.mark.parametrize("case", ["mp2-unfused", "mp2-fused", "pp2"])
+def test_parallel_snapshot_and_adapter_equal_the_one_process_export(cases, case):
+    assert_same_snapshots(cases[case]["snapshot"], cases[case]["single"])
 
 
 def test_lora_checkpoint_converts_with_its_base_to_the_callbacks_snapshot(cases, tmp_path):

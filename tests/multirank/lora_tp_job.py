@@ -1,7 +1,7 @@
 """Launched on every rank: a LoRA Llama under real tensor parallelism (mp2), exported by the callback.
 
     python -m paddle.distributed.launch --nproc_per_node 2 lora_tp_job.py --framework paddleformers|paddlenlp \
-        --variants unfused[,fused] --out DIR
+        --variants unfused[,fused] --out DIR [--pp 2]
 
 Per variant, on the real topology (``harness.init_fleet(mp=2)``):
 
@@ -17,8 +17,9 @@ Per variant, on the real topology (``harness.init_fleet(mp=2)``):
    ``every_n_steps=1``) with ``export.peft_adapter=inside``: one merged snapshot with its adapter in
    ``DIR/<variant>/hf-step-000001``.
 
-The test (``tests/test_*_lora.py``) builds the same model on one process with the same values and
-compares. Prints ``LORA_TP {json}`` per rank and variant.
+``--pp 2`` (PaddleNLP): the same on two pipeline stages (``LlamaForCausalLMPipe`` in ``LoRAModel``)
+instead, into ``DIR/<variant>-pp2``. The test (``tests/test_*_lora.py``) builds the same model on one
+process with the same values and compares. Prints ``LORA_TP {json}`` per rank and variant.
 """
 from __future__ import annotations
 
@@ -63,12 +64,22 @@ def global_values(name: str, shape, pad_row=None) -> np.ndarray:
     return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
 
 
-def build(framework: str, variant: str, mp: int = 1, mp_rank: int = 0):
-    """(LoRAModel, base model) of the variant; ``mp > 1``: built for tensor parallelism."""
+def build(framework: str, variant: str, mp: int = 1, mp_rank: int = 0, pp: int = 1):
+    """(LoRAModel, base model) of the variant; ``mp > 1``: built for tensor parallelism; ``pp > 1``:
+    PaddleNLP's ``LlamaForCausalLMPipe`` (a PipelineLayer) wrapped in LoRAModel."""
     import paddle
 
     paddle.seed(0)
     model_kw, targets, lora_kw = VARIANTS[variant]
+    if pp > 1:
+        import paddle.distributed as dist
+        from paddlenlp.peft import LoRAConfig, LoRAModel
+        from paddlenlp.transformers import LlamaConfig, LlamaForCausalLMPipe
+
+        if not hasattr(dist.ParallelEnv(), "_device_id"):  # CPU: PipelineLayer reads it (CPU_CLUSTER.md)
+            dist.ParallelEnv._device_id = 0
+        base = LlamaForCausalLMPipe(LlamaConfig(**TINY, **model_kw))
+        return LoRAModel(base, LoRAConfig(target_modules=targets, **lora_kw)), base
     if framework == "paddleformers":
         from paddleformers.peft import LoRAConfig, LoRAModel
         from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
@@ -126,6 +137,7 @@ def main():
     ap.add_argument("--framework", required=True, choices=("paddleformers", "paddlenlp"))
     ap.add_argument("--variants", default="unfused")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--pp", type=int, default=1, help="2: pipeline (PaddleNLP) instead of tensor parallelism")
     ns = ap.parse_args()
 
     import paddle.distributed as dist
@@ -136,12 +148,12 @@ def main():
         from paddlenlp.trainer.trainer_callback import CallbackHandler, TrainerControl, TrainerState
     from paddle_fullparam_callbacks import FullParamExportCallback
 
-    hcg = harness.init_fleet(mp=2)
+    hcg = harness.init_fleet(mp=1, pp=2) if ns.pp > 1 else harness.init_fleet(mp=2)
     rank, mp_rank = dist.get_rank(), hcg.get_model_parallel_rank()
     for variant in ns.variants.split(","):
-        lm, base = build(ns.framework, variant, 2, mp_rank)
+        lm, base = build(ns.framework, variant, 1 if ns.pp > 1 else 2, mp_rank, ns.pp)
         places = set_values(base)
-        out = f"{ns.out}/{variant}"
+        out = f"{ns.out}/{variant}" + ("-pp2" if ns.pp > 1 else "")
         cb = FullParamExportCallback(None, overrides=[f"output_dir={out}", "trigger.every_n_steps=1", "on_error=raise",
                                                       "trigger.on_train_end=false", "export.peft_adapter=inside"])
         handler = CallbackHandler([cb], lm, None, None, None)

@@ -70,9 +70,15 @@ def _transposed_pieces(name: str, entries, key: str, in_features: int) -> List[T
 def adapter_map(dmap: DestinationMap, shard_info: Dict[str, list], layers: Sequence) -> DestinationMap:
     """The adapter's destinations and their source regions, from the snapshot's ``dmap``.
 
-    ``shard_info``: the adapter's sources (``lora_A`` / ``lora_B`` keys -> [desc]) as every rank
-    holds them; their global shapes and dtypes are read from it."""
-    by_weight = {lay.weight_key: lay for lay in layers}
+    ``shard_info``: the adapter's sources (``lora_A`` / ``lora_B`` keys -> [desc]) as every rank of the
+    mesh holds them; their global shapes and dtypes are read from it. ``layers`` are the LoRA layers
+    this rank knows; a pipeline stage knows only its own, so the other stages' are the pairs
+    ``<layer>.lora_A`` / ``<layer>.lora_B`` of ``shard_info`` (over the weight ``<layer>.weight``)."""
+    by_weight = {lay.weight_key: (lay.a_key, lay.b_key) for lay in layers}
+    for key in shard_info:
+        layer = key[: -len(".lora_A")]
+        if key.endswith(".lora_A") and layer + ".lora_B" in shard_info:
+            by_weight.setdefault(layer + ".weight", (key, layer + ".lora_B"))
     specs, entries = [], {}
     for name in sorted(dmap.entries, key=natural_key):
         es = dmap.entries[name]
@@ -86,19 +92,19 @@ def adapter_map(dmap: DestinationMap, shard_info: Dict[str, list], layers: Seque
                 "this layout has no PEFT adapter (the merged snapshot is unaffected); set export.peft_adapter=none")
         if not name.endswith(".weight"):
             raise LoraError(f"{name!r}: a LoRA weight must be exported as '<module>.weight' for a PEFT adapter")
-        lay = by_weight[lora[0]]
-        a_info, b_info = shard_info[lay.a_key][0], shard_info[lay.b_key][0]
+        a_key, b_key = by_weight[lora[0]]
+        a_info, b_info = shard_info[a_key][0], shard_info[b_key][0]
         in_features, r = (int(d) for d in a_info.global_shape)
         out_d = int(dmap.spec_by_name[name].shape[0])
-        pieces = _transposed_pieces(name, es, lay.weight_key, in_features)
+        pieces = _transposed_pieces(name, es, lora[0], in_features)
         module = PREFIX + name[: -len(".weight")]
         a_name, b_name = module + ".lora_A.weight", module + ".lora_B.weight"
         specs += [TensorSpec(a_name, (r, in_features), a_info.dtype), TensorSpec(b_name, (out_d, r), b_info.dtype)]
         a_glob = (in_features, r)
-        entries[a_name] = [Entry(Desc(lay.a_key, a_glob, a_glob, (0, 0), a_info.dtype),
+        entries[a_name] = [Entry(Desc(a_key, a_glob, a_glob, (0, 0), a_info.dtype),
                                  Desc(a_name, (r, in_features), (r, in_features), (0, 0)))]
         b_glob = tuple(int(d) for d in b_info.global_shape)
-        entries[b_name] = [Entry(Desc(lay.b_key, (r, cols), b_glob, (0, col), b_info.dtype),
+        entries[b_name] = [Entry(Desc(b_key, (r, cols), b_glob, (0, col), b_info.dtype),
                                  Desc(b_name, (cols, r), (out_d, r), (row, 0))) for col, cols, row in pieces]
     if not specs:
         raise LoraError("no exported weight comes from a LoRA layer: there is no PEFT adapter to write")
@@ -157,12 +163,20 @@ def adapter_config(settings: Tuple[int, Any, bool], targets: List[str], base_mod
     }
 
 
-def companion(layers: Sequence, base_model: Optional[str] = None, sharded_state_dict=None, tensors=None):
+def companion(layers: Sequence, base_model: Optional[str] = None, sharded_state_dict=None, tensors=None,
+              config: Optional[dict] = None):
     """The adapter as a companion of the snapshot (``<snapshot>/adapter/``), from a live model's slices
-    (``sharded_state_dict``) or from files (``tensors``); refused now where peft cannot follow."""
+    (``sharded_state_dict``) or from files (``tensors``); refused now where peft cannot follow.
+    ``config``: the run's LoRA config, for a pipeline stage that holds no LoRA layer."""
     from ...export.source import Companion
 
-    settings = adapter_settings(layers)
+    if layers:
+        settings = adapter_settings(layers)
+    elif config and "r" in config and "lora_alpha" in config:
+        settings = (config["r"], config["lora_alpha"], bool(config.get("rslora")))
+    else:
+        raise LoraError("this rank holds no LoRA layer and the model no LoRA config: the adapter's r and "
+                        "lora_alpha are unknown here; set export.peft_adapter=none")
     return Companion(
         directory=DIRECTORY, file_prefix=FILE_PREFIX,
         destinations=lambda dmap, shard_info: adapter_map(dmap, shard_info, layers),

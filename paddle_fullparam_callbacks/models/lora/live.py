@@ -88,7 +88,7 @@ class LoraExport:
     def adapter(self) -> Companion:
         """The PEFT adapter as a companion of the snapshot (``<snapshot>/adapter/``)."""
         return peft.companion(self.layers, self.config.get("base_model_name_or_path"),
-                              sharded_state_dict=self.lora_state_dict)
+                              sharded_state_dict=self.lora_state_dict, config=self.config)
 
 
 __all__ = ["LoraExport", "merge_transform"]
