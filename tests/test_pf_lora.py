@@ -211,3 +211,9 @@ def test_refusals_name_the_cause(cases, tmp_path):
     with pytest.raises(LoraError, match="LoRA layer 'model.extra' is a .*LoRAConv2D: the exporter merges"):
         export(lm, tmp_path / "b")
     assert not (tmp_path / "b").exists() or not list((tmp_path / "b").glob("hf-*"))
+
+
+def test_the_base_model_with_lora_layers_exports_as_its_wrapper(cases, tmp_path):
+    # the second symptom: the inner model was refused ("lora_A ... under Paddle names no statement maps")
+    inner = export(cases["ernie"]["lm"].model, tmp_path / "inner", "export.peft_adapter=inside").path
+    assert_same_snapshots(inner, cases["ernie"]["snapshot"])
