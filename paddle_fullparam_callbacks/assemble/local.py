@@ -77,9 +77,14 @@ def cast_for_export(tensor, export_dtype: str):
 
 
 class LocalAssembler:
-    """Assemble destinations from a sharded state dict whose every shard is whole and local."""
+    """Assemble destinations from a sharded state dict whose every shard is whole and local.
 
-    def __init__(self, sharded_state_dict, dmap: DestinationMap, export_dtype: str = "keep"):
+    ``transforms``: source key -> function of its tensor giving the tensor to export instead (a
+    LoRA merge). It runs when a destination first reads that source, and its result is dropped
+    once the last destination reading it has been yielded: one transformed tensor at a time per
+    source, never a transformed copy of the model."""
+
+    def __init__(self, sharded_state_dict, dmap: DestinationMap, export_dtype: str = "keep", transforms=None):
         self.sources: Dict[str, object] = {}
         for key, sw in sharded_state_dict.items():
             if tuple(sw.local_shape) != tuple(sw.global_shape):
@@ -90,14 +95,35 @@ class LocalAssembler:
             self.sources[key] = sw.local_tensor
         self.dmap = dmap
         self.export_dtype = export_dtype
+        self.transforms = dict(transforms or {})
+        self._transformed: Dict[str, object] = {}
+
+    def _source(self, key: str):
+        fn = self.transforms.get(key)
+        if fn is None:
+            return self.sources[key]
+        if key not in self._transformed:
+            self._transformed[key] = fn(self.sources[key])
+        return self._transformed[key]
 
     def _source_slice(self, desc):
-        return slice_of(self.sources[desc.key], desc.global_offset, desc.local_shape)
+        return slice_of(self._source(desc.key), desc.global_offset, desc.local_shape)
 
     def run(self, names: Iterable[str]) -> Iterator[Tuple[str, object]]:
         import paddle
 
+        names = list(names)
+        uses: Dict[str, int] = {}  # transformed source -> destinations still to read it
+        keys_of = {n: {e.source_slice.key for e in self.dmap.entries[n]} & set(self.transforms) for n in names}
+        for keys in keys_of.values():
+            for k in keys:
+                uses[k] = uses.get(k, 0) + 1
         with paddle.no_grad():
             for name in names:
                 t = assemble_destination(name, self.dmap, self._source_slice)
+                for k in keys_of[name]:
+                    uses[k] -= 1
+                    if not uses[k]:
+                        self._transformed.pop(k, None)
                 yield name, cast_for_export(t, self.export_dtype)
+                t = None

@@ -228,12 +228,14 @@ class MeshAssembler:
         keep: the destinations this rank needs (the tensors of the files it writes).
         mesh, rank: the mesh and this rank; h_group / v_group: its row and column groups
             (v_group None when the mesh has one row, h_group None when it has one column).
+        transforms: source key -> fn(this rank's slice) -> the slice to send (a LoRA merge), made when sent.
     """
 
     def __init__(self, sharded_state_dict, records, dmap: DestinationMap, targets: Sequence[str], keep: Iterable[str],
                  mesh: Mesh, rank: int, h_group=None, v_group=None, export_dtype: str = "keep",
-                 bucket_bytes: int = 64 * 2**20):
+                 bucket_bytes: int = 64 * 2**20, transforms=None):
         self.sd = sharded_state_dict
+        self.transforms = dict(transforms or {})
         self.dmap = dmap
         self.mesh = mesh
         self.rank = rank
@@ -277,8 +279,11 @@ class MeshAssembler:
 
     # ---- communication -------------------------------------------------------------------
     def _local_bytes(self, item: ReadItem):
-        """This rank's copy of ``item`` as a flat uint8 Paddle tensor (a view, no copy)."""
+        """This rank's copy of ``item`` as a flat uint8 Paddle tensor (a view; a transformed slice is new)."""
         t = self.sd[item.key].local_tensor
+        fn = self.transforms.get(item.key)
+        if fn is not None:
+            t = fn(t)
         if not t.stop_gradient:
             t = t.detach()  # shares the memory; DLPack refuses tensors that require grad
         if not t.is_contiguous():
@@ -334,7 +339,7 @@ class MeshAssembler:
 
         src = item.src
         if self.rank == src:
-            buf = self._local_bytes(item).clone()
+            buf = self._local_bytes(item) if item.key in self.transforms else self._local_bytes(item).clone()
         else:
             buf = paddle.empty([item.nbytes], dtype="uint8")
         src_col = self.mesh.v_ranks(src)

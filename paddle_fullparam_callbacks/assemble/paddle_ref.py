@@ -10,10 +10,22 @@ from typing import Iterator, Tuple
 from .local import cast_for_export
 
 
-def run_paddle_full_param(sharded_state_dict, aoa_config, export_dtype: str = "keep", **group_kwargs) -> Iterator[Tuple[str, object]]:
+def run_paddle_full_param(sharded_state_dict, aoa_config, export_dtype: str = "keep", transforms=None,
+                          **group_kwargs) -> Iterator[Tuple[str, object]]:
+    """``transforms`` (source key -> fn of the local slice, a LoRA merge): applied to every such slice
+    before ``full_param`` runs, so all transformed slices are held at once (a cross-check, not the
+    bounded path of the builtin assemblers)."""
+    import copy
+
     import paddle
     from paddle.distributed.flex_checkpoint.dcp.full_param import full_param
 
     with paddle.no_grad():
+        if transforms:
+            sharded_state_dict = dict(sharded_state_dict)
+            for key, fn in transforms.items():
+                if key in sharded_state_dict:
+                    sw = sharded_state_dict[key] = copy.copy(sharded_state_dict[key])
+                    sw.local_tensor = fn(sw.local_tensor)
         for name, tensor in full_param(sharded_state_dict, aoa_config=aoa_config or {}, **group_kwargs):
             yield name, cast_for_export(tensor, export_dtype)

@@ -121,7 +121,8 @@ def _cmd_convert(ns) -> int:
     logging.getLogger("paddle_fullparam_callbacks").setLevel(logging.INFO)
     try:
         info = convert(ns.checkpoint, ns.output_dir, config=ns.recipe, overrides=ns.overrides,
-                       model_config=ns.config, step=ns.step, workers=ns.workers)
+                       model_config=ns.config, step=ns.step, workers=ns.workers, base=ns.base,
+                       lora_config=ns.lora_config)
     except (CheckpointError, MappingError, ExportError) as e:
         print(f"paddle-fullparam convert: {e}", file=sys.stderr)
         return 1
@@ -172,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", metavar="MODEL_CONFIG",
                    help="the model's config.json (or its directory); needed for PaddleFormers flex checkpoints, which "
                         "hold none; otherwise the checkpoint's own config.json is used")
+    c.add_argument("--base", metavar="PATH",
+                   help="a LoRA checkpoint of LoRA tensors only (PaddleNLP's lora_model_state.pdparams): the base model "
+                        "the run started from (its directory or a checkpoint of it)")
+    c.add_argument("--lora-config", metavar="LORA_CONFIG",
+                   help="a LoRA run's lora_config.json (or its directory) when the checkpoint holds none (PaddleFormers' "
+                        "flex checkpoints): lora_alpha and rslora give the merge's scaling")
     c.add_argument("--recipe", help="a bundled recipe name or YAML path for the export settings (default: the defaults)")
     c.add_argument("--step", type=_count(0), help="the step to record when the checkpoint does not say (trainer_state)")
     c.add_argument("--workers", type=_count(1), default=1,

@@ -17,6 +17,8 @@ from .sizes import parse_size
 EXPORT_FORMATS = ("hf_safetensors", "paddle_safetensors", "callable")
 ASSEMBLERS = ("builtin", "paddle")
 ON_ERROR = ("warn", "raise")
+LORA_MODES = ("merge", "base")
+PEFT_ADAPTER = ("none", "inside")
 
 
 class ConfigError(ValueError):
@@ -112,10 +114,22 @@ class ExportConfig:
     """Several ranks: a rank that makes no progress for this long in one of the package's collectives
     (an export, or the decision exchange at an event) logs which rank it waits for and ends its
     process, so the launcher stops the job. null: off."""
+    lora: str = "merge"
+    """A LoRA model (PaddleFormers' or PaddleNLP's LoRAModel): merge (the snapshot holds W + s * A @ B,
+    the model the LoRA run computes) | base (the base weights as the model holds them, no LoRA
+    update: with export.peft_adapter, the base and adapter pair peft loads). Other models: ignored."""
+    peft_adapter: str = "none"
+    """A LoRA model: none | inside (also a Hugging Face peft adapter in <snapshot>/adapter/:
+    adapter_model.safetensors and adapter_config.json, committed with the snapshot). Other models: ignored."""
 
     def __post_init__(self):
         _check_choice("export.format", self.format, EXPORT_FORMATS)
         _check_choice("export.dtype", self.dtype, _dtypes.EXPORT_DTYPES)
+        _check_choice("export.lora", self.lora, LORA_MODES)
+        _check_choice("export.peft_adapter", self.peft_adapter, PEFT_ADAPTER)
+        if self.peft_adapter != "none" and self.format != "hf_safetensors":
+            raise ConfigError("export.peft_adapter", f"a PEFT adapter holds Hugging Face names: it needs "
+                                                     f"export.format=hf_safetensors, not {self.format!r}")
         _check_size("export.max_shard_size", self.max_shard_size)
         _check_size("export.max_pending_bytes", self.max_pending_bytes)
         t = self.timeout_s

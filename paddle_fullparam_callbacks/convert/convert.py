@@ -25,7 +25,8 @@ def _check_output_dir(output_dir: Path, checkpoint: Path) -> None:
 def convert(checkpoint_dir: "str | os.PathLike", output_dir: "str | os.PathLike",
             config: "FullParamConfig | str | dict | None" = None, overrides: Iterable[str] = (),
             model_config: "str | os.PathLike | dict | None" = None, step: Optional[int] = None,
-            workers: int = 1) -> SnapshotInfo:
+            workers: int = 1, base: "str | os.PathLike | None" = None,
+            lora_config: "str | os.PathLike | dict | None" = None) -> SnapshotInfo:
     """Write an HF snapshot of the trainer checkpoint ``checkpoint_dir`` into ``output_dir`` (named by
     ``export.name_template`` at the checkpoint's step, committed atomically, pointed at by ``latest``).
 
@@ -35,6 +36,10 @@ def convert(checkpoint_dir: "str | os.PathLike", output_dir: "str | os.PathLike"
         model_config: the model's config.json (or its directory, or a dict) when the checkpoint has none.
         step: the step to record, when the checkpoint does not say.
         workers: processes that write the snapshot's files in parallel (each reads only what its files hold).
+        base: a LoRA run's checkpoint of LoRA tensors only (PaddleNLP's ``lora_model_state.pdparams``): the base
+            model the run started from (its directory or a checkpoint of it).
+        lora_config: a LoRA run's ``lora_config.json`` (or its directory, or a dict), where the checkpoint holds
+            none (PaddleFormers' flex checkpoints): ``lora_alpha`` and ``rslora`` give the merge's scaling.
 
     Raises:
         CheckpointError: the checkpoint is damaged, incomplete or does not match its config (nothing written).
@@ -42,6 +47,7 @@ def convert(checkpoint_dir: "str | os.PathLike", output_dir: "str | os.PathLike"
         ExportError: the export itself failed (nothing committed).
     """
     cfg = coerce_config(config, overrides)
+    lora = {k: v for k, v in (("base", base), ("lora_config", lora_config)) if v is not None}
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     out = Path(output_dir).expanduser()
@@ -49,6 +55,6 @@ def convert(checkpoint_dir: "str | os.PathLike", output_dir: "str | os.PathLike"
     if workers > 1:
         from .workers import convert_in_workers  # spawns processes: imported only when asked for
 
-        return convert_in_workers(checkpoint_dir, out, cfg, model_config, step, workers)
-    conv = prepare(checkpoint_dir, cfg, model_config, step)
+        return convert_in_workers(checkpoint_dir, out, cfg, model_config, step, workers, lora)
+    conv = prepare(checkpoint_dir, cfg, model_config, step, **lora)
     return export_conversion(conv, out, cfg)

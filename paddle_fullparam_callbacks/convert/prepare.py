@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -152,18 +152,35 @@ class Conversion:
 
 
 def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
-            model_config: "str | os.PathLike | dict | None" = None, step: Optional[int] = None) -> Conversion:
+            model_config: "str | os.PathLike | dict | None" = None, step: Optional[int] = None,
+            base: "str | os.PathLike | None" = None, lora_config: "str | os.PathLike | dict | None" = None) -> Conversion:
     """Index and check the checkpoint, build its model lazily, and resolve the mapping: every check that
-    does not need the output directory. Raises :class:`CheckpointError` / ``ConfigError`` / ``MappingError``."""
+    does not need the output directory. Raises :class:`CheckpointError` / ``ConfigError`` / ``MappingError``.
+
+    A LoRA run's checkpoint (``lora.py``): ``base``, the base model of a checkpoint that holds LoRA tensors
+    only (PaddleNLP); ``lora_config``, the run's ``lora_config.json`` where the checkpoint has none."""
     from ..models.model_info import build_model_source
+    from . import lora
 
     path = Path(checkpoint_dir).expanduser()
     if not path.is_dir():
         raise ConvertError(f"{path}: not a directory (give a trainer checkpoint directory, e.g. output/checkpoint-500)")
-    cfg = load_model_config(path, model_config)
-    _, framework = detect(path)
+    weights, lora_ckpt = path, None  # where the base weights are; the checkpoint of LoRA tensors only
+    if lora.lora_only(path):
+        if base is None:
+            raise ConvertError(f"{path}: holds LoRA tensors only (lora_model_state.pdparams), no base weights: give the "
+                               "base model the run started from with --base PATH (its directory or a checkpoint of it)")
+        weights, lora_ckpt = Path(base).expanduser(), lora.lora_checkpoint(path, "paddlenlp")
+    elif base is not None:
+        raise ConvertError(f"--base {base}: {path} holds its own base weights; --base is for checkpoints of LoRA "
+                           "tensors only (PaddleNLP's lora_model_state.pdparams)")
+    cfg = load_model_config(weights, model_config)
+    _, framework = detect(weights)
     cls = model_class(framework, cfg)
-    ckpt = open_checkpoint(path, config=cfg, model_class=cls)
+    ckpt = open_checkpoint(weights, config=cfg, model_class=cls)
+    base_shapes, holder, layers = lora.split_lora(ckpt, lora_ckpt, lora.load_settings(path, lora_config))
+    if layers or lora_ckpt is not None:
+        ckpt = replace(ckpt, tensors={k: ckpt.tensors[k] for k in base_shapes})
     if ckpt.layout == "hf-safetensors":
         raise ConvertError(
             f"{path}: already holds Hugging Face names and layout (PaddleFormers' unified_checkpoint / sharding_io "
@@ -181,9 +198,12 @@ def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
         source.padding_rows.clear()
     source.tensors = CheckpointTensors(ckpt, expected)
     source.notes["converted_from"] = source.tensors.describe()
-    saved = TokenizerFiles(ckpt.tokenizer_files, str(ckpt.path)) if ckpt.tokenizer_files else None
+    if layers:
+        lora.attach(source, config, holder, layers, lora.load_settings(path, lora_config), framework, CheckpointTensors)
+    files = (lora_ckpt.tokenizer_files if lora_ckpt is not None else []) or ckpt.tokenizer_files
+    saved = TokenizerFiles(files, str((lora_ckpt or ckpt).path)) if files else None
     source.tokenizer = tokenizer.choose(config.export.tokenizer, saved, warn=config.export.copy_tokenizer)
-    step = ckpt.step if step is None else step
+    step = (lora_ckpt or ckpt).step if step is None else step
     if step is None or step < 0:
         raise ConvertError(f"{path}: no step recorded (trainer_state, checkpoint-N name): give one with --step")
     return Conversion(ckpt, model, source, int(step))

@@ -53,22 +53,23 @@ class PipeContext(LocalContext):
 
 
 def _worker(rank: int, world: int, conns, checkpoint_dir: str, output_dir: str, config, model_config,
-            step, results) -> None:
+            step, results, lora=None) -> None:
     ctx = PipeContext(rank=rank, world_size=world, topology=plan_topology([("data", world)]), conns=conns)
     try:
-        conv = prepare(checkpoint_dir, config, model_config, step)
+        conv = prepare(checkpoint_dir, config, model_config, step, **(lora or {}))
         info = export_conversion(conv, Path(output_dir), config, ctx=ctx)
         results.put((rank, "ok", info))
     except BaseException as e:  # reported to the parent, which raises it
         results.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
 
 
-def convert_in_workers(checkpoint_dir, output_dir: Path, config, model_config, step, workers: int) -> SnapshotInfo:
+def convert_in_workers(checkpoint_dir, output_dir: Path, config, model_config, step, workers: int,
+                       lora=None) -> SnapshotInfo:
     """Run the conversion in ``workers`` processes; returns worker 0's SnapshotInfo, or raises the first error.
 
     Everything that can be checked without the output directory is checked here first, in this
     process (a bad checkpoint fails once, not N times)."""
-    prepare(checkpoint_dir, config, model_config, step)
+    prepare(checkpoint_dir, config, model_config, step, **(lora or {}))
     spawn = mp.get_context("spawn")  # Paddle is not fork-safe once initialised
     pipes = [spawn.Pipe() for _ in range(workers - 1)]
     results = spawn.Queue()
@@ -76,7 +77,8 @@ def convert_in_workers(checkpoint_dir, output_dir: Path, config, model_config, s
     for rank in range(workers):
         conns = [a for a, _ in pipes] if rank == 0 else [pipes[rank - 1][1]]
         p = spawn.Process(target=_worker, name=f"pfc-convert-{rank}", daemon=True,
-                          args=(rank, workers, conns, str(checkpoint_dir), str(output_dir), config, model_config, step, results))
+                          args=(rank, workers, conns, str(checkpoint_dir), str(output_dir), config, model_config, step, results,
+                                lora))
         p.start()
         procs.append(p)
     for a, b in pipes:  # only the workers hold the pipes now: a dead worker's end closes

@@ -3,6 +3,11 @@
 
 A ``ModelSource`` normally gives the tensors of a live model (``sharded_state_dict``). ``convert``
 gives them from files instead (``tensors``): the same plan, writer and commit, another source.
+
+Two optional parts serve models whose exported weights are computed from several tensors (LoRA):
+``local_transforms`` turn a rank's slice of a source into the slice to export (merged just
+before it is used, dropped after), and ``companions`` are further tensors committed inside the
+snapshot, in a subdirectory of their own (a PEFT adapter). A source without them exports as before.
 """
 from __future__ import annotations
 
@@ -35,6 +40,26 @@ class TensorSource(Protocol):
 
 
 @dataclass
+class Companion:
+    """Tensors committed with the snapshot in ``<snapshot>/<directory>/`` (e.g. a PEFT adapter), from
+    sources the snapshot's own mapping never sees.
+
+    ``destinations(dmap, shard_info)``: given the snapshot's ``DestinationMap`` and the companion's
+    sources (``{key: [ShardedWeightDesc]}``, every mesh rank's slices), the companion's own
+    ``DestinationMap``. Its tensors go to one file ``<file_prefix>.safetensors`` (no index), assembled
+    by the coordinator's mesh and written by the coordinator, with ``json_files`` beside it.
+    """
+
+    directory: str
+    file_prefix: str
+    destinations: Callable[[Any, Dict[str, list]], Any]
+    sharded_state_dict: Optional[Callable[[], dict]] = None  # this rank's slices (a live model)
+    tensors: Optional["TensorSource"] = None  # or slices in files (convert)
+    json_files: Dict[str, Any] = field(default_factory=dict)  # file name -> JSON object, or a callable giving it
+    metadata: Optional[Dict[str, str]] = None  # the safetensors __metadata__ (None: {"format": "pt"})
+
+
+@dataclass
 class ModelSource:
     """What the export needs from the model, gathered by ``models`` from a live model (the trainer path) or from files (``convert``)."""
 
@@ -53,6 +78,10 @@ class ModelSource:
     # slices read from files (convert): when set, sharded_state_dict is not called and the
     # records and tensors come from here; a live model may still give names, config and mapping
     tensors: Optional[TensorSource] = None
+    # source key -> fn(this rank's slice of it, as the source holds it) -> the slice to export, same
+    # shape and dtype; applied by the assemblers when the slice is first read, dropped once used
+    local_transforms: Dict[str, Callable[[Any], Any]] = field(default_factory=dict)
+    companions: List[Companion] = field(default_factory=list)
 
 
 @dataclass

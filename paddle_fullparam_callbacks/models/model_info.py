@@ -15,6 +15,7 @@ from .mapping_check import check_layout
 from .hf_config import PARALLEL_KEY as _PARALLEL_KEY  # noqa: F401  (convert/prepare.py reads it here)
 from .hf_config import config_dict as _config_dict
 from .hf_config import check_loadable, describe
+from .lora import attach_to_source as attach_lora, base_model as lora_base, lora_export
 from .mappings import check_destination_names, resolve_mapping
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
@@ -253,12 +254,15 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
     from .shard_fixes import fixed_sharded_state_dict  # tensor-parallel entries that contradict their layer
 
     model = unwrap_model(model)
+    wrapper, model = model, lora_base(model)  # LoRA (issue 20): a LoRAModel exports its base model's names
     if not hasattr(model, "sharded_state_dict"):
         raise TypeError(
             f"{type(model).__name__} has no sharded_state_dict(): the exporter needs a paddle.nn.Layer "
             "(Paddle >= 3.3) so that every parameter reports its global shape and offset"
         )
     read = fixed_sharded_state_dict(model, single_named(model))
+    lora = lora_export(wrapper, read, config, framework_of(model))  # None without LoRA layers
+    read = lora.main_state_dict if lora is not None else read  # the mapping sees base keys only
     hf = config.export.format == "hf_safetensors"
     sd = read()
     lm_head, tied = output_embedding(model, sd)
@@ -299,7 +303,7 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
                     type(model).__name__, row, row)
             else:
                 padding[key] = row
-    return ModelSource(
+    source = ModelSource(
         sharded_state_dict=read,
         aoa_config=resolved.aoa_config if resolved else None,
         mapping_for=mapping_for,
@@ -311,6 +315,9 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
         padding_rows=padding,
         notes=notes,
     )
+    if lora is not None:
+        attach_lora(lora, source, config)  # merge transforms, PEFT adapter, manifest notes
+    return source
 
 
 __all__ = ["build_model_source", "hf_config_dict", "single_process_config", "unwrap_model"]

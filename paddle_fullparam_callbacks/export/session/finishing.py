@@ -22,6 +22,7 @@ from ...config.schema import FullParamConfig
 from ...plan.export_plan import ExportPlan
 from .. import commit
 from ..commit.manifest import build_manifest, describe_files, dominant_float_dtype
+from ..write import checksum
 from ..commit.ownership import read_manifest
 from ..commit.retention import apply_retention, update_best
 from ..source import ExportError, ModelSource, SnapshotInfo
@@ -61,6 +62,7 @@ class ExportJob:
     out_dir: Optional[Path] = None
     stall_s: float = 0.0
     pointers: bool = True  # update latest/best and apply retention after the commit
+    companions: dict = field(default_factory=dict)  # the coordinator's: directory -> {file: (bytes, digest)}
 
 
 def finish_local(job: ExportJob, rank: int) -> None:
@@ -76,6 +78,13 @@ def finish_local(job: ExportJob, rank: int) -> None:
     if job.error is not None:
         job.exporter.abort()
     job.t_written = time.perf_counter()
+
+
+def _companion_table(companions: dict) -> dict:
+    """The manifest's ``model.companions``: {directory: {file: {bytes, checksum}}} (the ``files`` table
+    lists only the snapshot's own top-level files)."""
+    return {d: {n: {"bytes": b, checksum.DEFAULT: h} for n, (b, h) in sorted(fs.items())}
+            for d, fs in sorted(companions.items())}
 
 
 class Committer:
@@ -167,7 +176,8 @@ class Committer:
         manifest = build_manifest(
             name=name, step=job.step, reason=job.reason, metrics=job.metrics, config=self.config, plan=p.plan,
             files={**files, **extra}, timings=timings, framework=source.framework,
-            model={**source.notes, **({"padding_rows_zeroed": p.zero_rows} if p.zero_rows else {})},
+            model={**source.notes, **({"padding_rows_zeroed": p.zero_rows} if p.zero_rows else {}),
+                   **({"companions": _companion_table(job.companions)} if job.companions else {})},
             run={"id": self.run_id, "seq": self.seq},
             topology={
                 "world_size": topo.world_size, "axes": [list(a) for a in topo.axes],

@@ -40,6 +40,7 @@ from ..commit.retention import newest_run, next_seq
 from ..commit.watchdog import PROGRESS_DIR, Watchdog
 from ..source import ExportError, ModelSource, SnapshotInfo
 from . import preflight
+from .companions import write_companions
 from .distributed import LocalContext
 from .exporters import Exporter, load_callable, make_exporter
 from .finishing import Committer, ExportJob, finish_local, new_run_id
@@ -291,6 +292,11 @@ class ExportSession:
             job.error = job.error or f"{type(e).__name__}: {e}"
         finally:
             progress.close()
+        if job.source.companions and job.exporter.writes_files:  # e.g. a PEFT adapter, in its own subdirectory
+            try:
+                job.companions = write_companions(ctx, self.config, p, job.source, job.staging)
+            except Exception as e:
+                job.error = job.error or f"{type(e).__name__}: {e}"
         job.t_stream = time.perf_counter()
 
     def _host_ring(self):

@@ -41,7 +41,8 @@ def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: 
             if ctx.mesh.size > 1:
                 kwargs = {"h_group": getattr(ctx, "paddle_h_group", None) or ctx.h_group,
                           "v_group": getattr(ctx, "paddle_v_group", None) or ctx.v_group}
-            for name, t in run_paddle_full_param(sd, source.aoa_config if mapped else None, config.export.dtype, **kwargs):
+            for name, t in run_paddle_full_param(sd, source.aoa_config if mapped else None, config.export.dtype,
+                                                 transforms=source.local_transforms, **kwargs):
                 if name in keep:
                     yield name, t
             return
@@ -49,10 +50,11 @@ def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: 
         # single-group path (it decides by the world size) and call .cuda(); assemble locally
         logger.warning("assembler=paddle: a mesh of one rank uses the builtin local assembler (no communication)")
     if ctx.mesh.size == 1:
-        yield from LocalAssembler(sd, p.dmap, config.export.dtype).run([n for n in targets if n in keep])
+        yield from LocalAssembler(sd, p.dmap, config.export.dtype, source.local_transforms).run(
+            [n for n in targets if n in keep])
         return
     asm = MeshAssembler(sd, p.records, p.dmap, targets, keep, ctx.mesh, ctx.rank, ctx.h_group, ctx.v_group,
-                        config.export.dtype, config.topology.bucket_for(ctx.mesh.size))
+                        config.export.dtype, config.topology.bucket_for(ctx.mesh.size), source.local_transforms)
     _check_replicas(ctx, asm)
     yield from asm.run()
     if asm.errors:

@@ -1,0 +1,167 @@
+"""LoRA, one part at a time: the recipe keys, the merge arithmetic, the PEFT adapter's derivation from a
+name mapping, the checkpoint layers (no model, no Paddle tensors: milliseconds)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from paddle_fullparam_callbacks.assemble.mapping import DestinationMap
+from paddle_fullparam_callbacks.config import ConfigError, load_config
+from paddle_fullparam_callbacks.models.lora.adapter import (
+    Desc, Entry, adapter_config, adapter_map, adapter_settings, peft_scaling, target_modules,
+)
+from paddle_fullparam_callbacks.models.lora.files import StoredLora, lora_settings, stored_layers
+from paddle_fullparam_callbacks.models.lora.layers import LoraError
+from paddle_fullparam_callbacks.models.lora.merge import as_float32, delta_hf, merged_block
+from paddle_fullparam_callbacks.plan.export_plan import TensorSpec
+
+
+# ---- recipe keys ---------------------------------------------------------------------------------
+
+def test_lora_keys_default_and_choices():
+    cfg = load_config(None, [])
+    assert (cfg.export.lora, cfg.export.peft_adapter) == ("merge", "none")
+    assert load_config(None, ["export.lora=base", "export.peft_adapter=inside"]).export.lora == "base"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("export.lora=merged", r"export.lora: must be one of merge, base; got 'merged'"),
+    ("export.peft_adapter=beside", r"export.peft_adapter: must be one of none, inside; got 'beside'"),
+])
+def test_lora_keys_refuse_unknown_values(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_peft_adapter_needs_hf_names():
+    with pytest.raises(ConfigError, match="export.peft_adapter: a PEFT adapter holds Hugging Face names: it needs "
+                                          "export.format=hf_safetensors, not 'paddle_safetensors'"):
+        load_config(None, ["export.peft_adapter=inside", "export.format=paddle_safetensors"])
+
+
+# ---- the merge -------------------------------------------------------------------------------------
+
+def _rand(shape, seed, scale=1.0):
+    return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
+
+
+def test_merged_block_is_w_plus_scaled_update_in_pefts_order():
+    w, a, b = _rand((6, 5), 0), _rand((6, 3), 1), _rand((3, 5), 2)
+    s = 5 / 3  # inexact in binary: the scalar is applied as float32, after the product
+    got = merged_block(w, "float32", a, "float32", b, "float32", s)
+    assert got.flags.c_contiguous and got.dtype == np.float32
+    delta = np.matmul(b.T, a.T) * np.float32(s)
+    assert np.array_equal(got, (w.T + delta).T)
+    assert np.allclose(got, w + s * (a.astype(np.float64) @ b), atol=1e-6)
+
+
+def test_a_block_merges_with_its_rows_of_a_and_columns_of_b_to_the_same_bits():
+    w, a, b = _rand((8, 12), 3), _rand((8, 4), 4), _rand((4, 12), 5)
+    whole = merged_block(w, "float32", a, "float32", b, "float32", 2.0)
+    block = merged_block(w[4:, 6:], "float32", a[4:], "float32", b[:, 6:], "float32", 2.0)
+    assert np.array_equal(block, whole[4:, 6:])  # r is never split: a tensor-parallel rank's block merges alone
+
+
+def test_bfloat16_is_widened_exactly_and_bad_shapes_are_refused():
+    bits = np.array([0x3F80, 0xBF00, 0x4049], dtype=np.uint16)
+    assert as_float32(bits, "bfloat16").tolist() == [1.0, -0.5, 3.140625]
+    with pytest.raises(ValueError, match="cannot be merged"):
+        as_float32(np.zeros(2, np.int64), "int64")
+    with pytest.raises(ValueError, match=r"do not fit: W \[2, 3\], A \[2, 1\], B \[1, 4\]"):
+        merged_block(np.zeros((2, 3), np.float32), "float32", np.zeros((2, 1), np.float32), "float32",
+                     np.zeros((1, 4), np.float32), "float32", 1.0)
+    assert delta_hf(np.ones((2, 1), np.float32), np.ones((1, 3), np.float32), 0.5).shape == (3, 2)
+
+
+# ---- the adapter from a mapping -------------------------------------------------------------------
+
+def _entry(key, src_off, src_shape, src_glob, dst, dst_off, dst_glob, pp=("[1, 0]",)):
+    local = tuple(reversed(src_shape)) if pp else tuple(src_shape)
+    return Entry(Desc(key, tuple(src_shape), tuple(src_glob), tuple(src_off), "float32"),
+                 Desc(dst, local, tuple(dst_glob), tuple(dst_off)), tuple(pp))
+
+
+def _fused_qkv_map():
+    """A fused [in=4, out=6] weight split per head into q (4 rows: heads at columns 0:2 and 3:5), k, v."""
+    w = "l.qkv.weight"
+    entries = {
+        "m.q.weight": [_entry(w, (0, 0), (4, 2), (4, 6), "m.q.weight", (0, 0), (4, 4)),
+                       _entry(w, (0, 3), (4, 2), (4, 6), "m.q.weight", (2, 0), (4, 4))],
+        "m.k.weight": [_entry(w, (0, 2), (4, 1), (4, 6), "m.k.weight", (0, 0), (1, 4))],
+        "m.v.weight": [_entry(w, (0, 5), (4, 1), (4, 6), "m.v.weight", (0, 0), (1, 4))],
+        "m.norm.weight": [_entry("l.norm.weight", (0,), (4,), (4,), "m.norm.weight", (0,), (4,), pp=())],
+    }
+    specs = [TensorSpec("m.q.weight", (4, 4), "float32"), TensorSpec("m.k.weight", (1, 4), "float32"),
+             TensorSpec("m.v.weight", (1, 4), "float32"), TensorSpec("m.norm.weight", (4,), "float32")]
+    return DestinationMap(specs, entries, None)
+
+
+LAYER = StoredLora("l.qkv", "l.qkv.weight", "l.qkv.lora_A", "l.qkv.lora_B", r=2, alpha=4, scaling=2.0)
+INFO = {"l.qkv.lora_A": [Desc("l.qkv.lora_A", (4, 2), (4, 2), (0, 0), "float32")],
+        "l.qkv.lora_B": [Desc("l.qkv.lora_B", (2, 6), (2, 6), (0, 0), "float32")]}
+
+
+def test_fused_weight_gets_a_repeated_and_b_columns_in_the_weights_order():
+    dmap = _fused_qkv_map()
+    adapter = adapter_map(dmap, INFO, [LAYER])
+    p = "base_model.model.m.{}.lora_{}.weight"
+    assert sorted(adapter.names) == sorted(p.format(m, x) for m in "qkv" for x in "AB")
+    for m in "qkv":
+        (a,) = adapter.entries[p.format(m, "A")]
+        assert (a.source_slice.key, a.source_slice.local_shape, a.target_slice.global_shape) == ("l.qkv.lora_A", (4, 2), (2, 4))
+    q = adapter.entries[p.format("q", "B")]
+    assert [(e.source_slice.global_offset, e.source_slice.local_shape, e.target_slice.global_offset) for e in q] == [
+        ((0, 0), (2, 2), (0, 0)), ((0, 3), (2, 2), (2, 0))]
+    assert adapter.spec_by_name[p.format("q", "B")].shape == (4, 2)
+    assert target_modules(dmap, adapter) == ["k", "q", "v"]
+
+
+def test_adapter_refuses_what_peft_cannot_hold():
+    dmap = _fused_qkv_map()
+    dmap.entries["m.q.weight"].append(_entry("l.other.weight", (0, 0), (4, 0), (4, 6), "m.q.weight", (4, 0), (4, 4)))
+    with pytest.raises(LoraError, match=r"'m.q.weight' is made of \['l.other.weight', 'l.qkv.weight'\], 1 of them "
+                                        "with LoRA: peft has one LoRA module per weight"):
+        adapter_map(dmap, INFO, [LAYER])
+    dmap = _fused_qkv_map()
+    dmap.entries["m.k.weight"] = [_entry("l.qkv.weight", (0, 2), (4, 1), (4, 6), "m.k.weight", (0, 0), (1, 4), pp=())]
+    with pytest.raises(LoraError, match="'m.k.weight' is not a transpose of 'l.qkv.weight'"):
+        adapter_map(dmap, INFO, [LAYER])
+
+
+def test_partial_targets_are_named_in_full():
+    dmap = _fused_qkv_map()
+    dmap.specs.append(TensorSpec("n.q.weight", (4, 4), "float32"))
+    dmap.spec_by_name["n.q.weight"] = dmap.specs[-1]
+    assert target_modules(dmap, adapter_map(_fused_qkv_map(), INFO, [LAYER])) == ["k", "m.q", "v"]
+
+
+def test_adapter_settings_reproduce_the_layers_scaling_or_refuse():
+    rs = StoredLora("x", "x.weight", "x.lora_A", "x.lora_B", 3, 5, 5 / math.sqrt(3))
+    assert adapter_settings([rs]) == (3, 5, True) and peft_scaling(3, 5, True) == rs.scaling
+    assert adapter_settings([LAYER]) == (2, 4, False)
+    with pytest.raises(LoraError, match="differ in"):
+        adapter_settings([LAYER, rs])
+    with pytest.raises(LoraError, match="scaling 1.0 is neither lora_alpha/r nor lora_alpha/sqrt"):
+        adapter_settings([StoredLora("y", "y.weight", "y.lora_A", "y.lora_B", 4, 8, 1.0)])
+    with pytest.raises(LoraError, match="PiSSA layers"):
+        adapter_settings([StoredLora("y", "y.weight", "y.lora_A", "y.lora_B", 4, 4, 1.0, pissa=True)])
+    cfg = adapter_config((4, 8, False), ["q_proj"])
+    assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"], cfg["use_rslora"], cfg["target_modules"]) == (
+        "LORA", 4, 8, False, ["q_proj"])
+
+
+# ---- checkpoint layers ---------------------------------------------------------------------------
+
+def test_stored_layers_pair_tensors_with_their_weight_and_scaling():
+    lora = {"a.q.lora_A": (8, 4), "a.q.lora_B": (4, 6)}
+    base = {"a.q.weight": (8, 6), "a.norm.weight": (8,)}
+    (lay,) = stored_layers(lora, base, lora_settings({"lora_alpha": 8, "rslora": True, "r": 4}, "cfg"))
+    assert (lay.name, lay.weight_key, lay.r, lay.scaling) == ("a.q", "a.q.weight", 4, 8 / math.sqrt(4))
+    with pytest.raises(LoraError, match=r"LoRA layer 'a.q': \['a.q.lora_B'\] missing"):
+        stored_layers({"a.q.lora_A": (8, 4)}, base, {"lora_alpha": 8})
+    with pytest.raises(LoraError, match="do not fit its weight"):
+        stored_layers({"a.q.lora_A": (8, 4), "a.q.lora_B": (4, 5)}, base, {"lora_alpha": 8})
+    with pytest.raises(LoraError, match="lora_alpha is None, not a positive number"):
+        lora_settings({"r": 4}, "lora_config.json")
