@@ -11,6 +11,7 @@ ranks cannot diverge).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -30,6 +31,7 @@ class TrainerEvaluations:
         self.hook: Optional[EvaluationHook] = None
         self.python: Optional[List[str]] = None
         self.results: List[Evaluation] = []  # every evaluation finished while this job ran (or settled at its start)
+        self.waited_s = 0.0  # how long the end of training waited for evaluations
 
     @property
     def enabled(self) -> bool:
@@ -119,7 +121,9 @@ class TrainerEvaluations:
         if waiting:
             logger.info("waiting up to %.0f s (evaluate.wait_at_end_s) for %d evaluation(s)",
                         self.config.evaluate.wait_at_end_s, waiting)
+        t0 = time.perf_counter()
         self.hook.close(self.config.evaluate.wait_at_end_s)
+        self.waited_s = time.perf_counter() - t0 if waiting else 0.0
         self.drain(session, state, trainer)
         self.hook = None
 
