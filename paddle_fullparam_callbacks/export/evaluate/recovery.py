@@ -7,7 +7,9 @@ next start (the coordinator holds the output directory's lock) each such snapsho
 - the runner has finished (its ``status.json`` is there): its result is recorded, as it would have
   been by the hook;
 - the runner is still running: the new job's hook adopts it (watches it, records it when it ends);
-- the runner is gone without a status (killed too): the record says ``unfinished``.
+- the runner is gone without a status (killed too): the record says ``unfinished``, and its
+  evaluator, if it still runs, is stopped (its process group), provided it is provably the one this
+  package started: its environment holds this work folder's ``PFC_OUTPUT``.
 
 Nothing else is touched: only records and work folders this package provably made (the record is
 this package's format; the work folder carries the package's marker), and record temporaries
@@ -15,12 +17,15 @@ named as this package names them.
 """
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Iterable, List, Optional, Tuple
 
 from ..commit import evaluation as records
 from ..commit.ownership import is_marked
-from .hook import Evaluation, EvaluationHook, finalize, records_json, runner_state, snapshot_identity
+from .hook import OUTPUT, Evaluation, EvaluationHook, finalize, records_json, runner_state, snapshot_identity
+from .runner import EVALUATOR_PID, STATUS
 
 
 def recover(snapshots: Iterable[Tuple[str, int, Path, bool]], hook: Optional[EvaluationHook] = None
@@ -41,11 +46,13 @@ def recover(snapshots: Iterable[Tuple[str, int, Path, bool]], hook: Optional[Eva
         ev = Evaluation(name, path, step, in_output_dir, running=running, recovered=True)
         if running is None:
             continue  # a finished record and a work folder whose removal was interrupted
-        if runner_state(running, work) == "alive" and not (work / "status.json").exists():
+        if runner_state(running, work) == "alive" and not (work / STATUS).exists():
             if hook is not None:
                 hook.adopt(ev)
             alive.append(ev)
             continue
+        if not (work / STATUS).exists():
+            stop_orphan_evaluator(work)
         ev.record = finalize(name, path, running)
         settled.append(ev)
     return settled, alive
@@ -63,3 +70,20 @@ def _running_from_work(name: str, step: int, path: Path, work: Path) -> Optional
         return None
     return {"snapshot": name, "step": step, "status": records.RUNNING, "timeout_s": spec.get("timeout_s"),
             "log": records.LOG, "identity": snapshot_identity(path)}
+
+
+def stop_orphan_evaluator(work: Path) -> bool:
+    """An evaluator whose runner died with the job: stop its process group, if its environment proves
+    this package started it for ``work`` (``PFC_OUTPUT``). Returns whether one was stopped."""
+    info = records_json(work / EVALUATOR_PID) or {}
+    pid = info.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"PFC_OUTPUT={work / OUTPUT}".encode() not in environ or os.getpgid(pid) != pid:
+            return False
+        os.killpg(pid, signal.SIGKILL)
+    except (OSError, ProcessLookupError):
+        return False
+    return True
