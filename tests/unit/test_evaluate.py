@@ -291,3 +291,17 @@ def test_a_snapshot_replaced_while_evaluated_does_not_get_the_old_score(tmp_path
     (ev,) = hook.drain()
     assert ev.record["recorded"] is False and "replaced while it was evaluated" in ev.record["error"]
     assert records.read_record(snap)["status"] == "running"  # the new snapshot's record is not the old one's result
+
+
+def test_a_callable_runs_in_the_evaluators_interpreter_and_returns_its_result(tmp_path, monkeypatch):
+    (tmp_path / "my_scores.py").write_text(
+        "import os\n"
+        "def score(snapshot, step, output):\n"
+        "    return {'score': step * 2, 'pid': os.getpid(), 'nice': os.nice(0)}\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    hook = EvaluationHook(EvaluateConfig(callable="my_scores:score", nice=5), PY, run_id="r1")
+    hook.committed("hf-step-000004", _snapshot(tmp_path / "out", 4), 4)
+    hook.close(wait_s=60)
+    (ev,) = hook.drain()
+    assert ev.status == "ok" and ev.scores["score"] == 8.0 and ev.scores["nice"] == 5.0 and ev.scores["pid"] != os.getpid()
+    assert records.read_record(ev.path)["command"].startswith(f"{sys.executable} -c '<bootstrap>' my_scores:score ")
