@@ -211,3 +211,27 @@ def test_a_job_killed_while_an_evaluation_runs_gets_its_result_recorded_at_the_n
     assert not (snaps / name(2) / records.WORKDIR).exists() and verify_snapshot(snaps / name(2)).ok
     assert {p: p.read_bytes() for p in kept} == kept and (snaps / "notes.txt").read_text() == "the user's"
     assert "evaluating" in (snaps / name(2) / records.LOG).read_text()
+
+
+def test_four_ranks_evaluate_each_snapshot_once_on_the_coordinator(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
+    import harness
+
+    command = fake_evaluator(tmp_path, {"scores": {"2": 0.2, "4": 0.9, "6": 0.4, "8": 0.1}})
+    res = harness.run_launch(Path(__file__).resolve().parent / "multirank" / "evaluate_job.py",
+                             ["--out", tmp_path, "--command", command, "--python", sys.executable], nproc=4,
+                             log_dir=tmp_path / "log", timeout=300)
+    assert res.rc == 0 and not res.timed_out, res.describe()
+    reports = {r: rep for r, rep in res.tagged("EVAL")}
+    assert sorted(reports) == [0, 1, 2, 3] and all(rep["world"] == 4 and rep["errors"] == [] for rep in reports.values())
+    assert all(rep["events"] == [f"every_n_steps@{s}" for s in (2, 4, 6, 8)] for rep in reports.values())
+    assert len({json.dumps(rep["decisions"]) for rep in reports.values()}) == 1  # the same decisions everywhere
+    # once per snapshot, by the coordinator (rank 0's environment), never by the other ranks
+    ran = calls(tmp_path)
+    assert sorted(c["step"] for c in ran) == [2, 4, 6, 8] and {c["rank"] for c in ran} == {"0"}
+    assert reports[0]["results"] == [[name(s), "ok", v] for s, v in ((2, 0.2), (4, 0.9), (6, 0.4), (8, 0.1))]
+    assert [e["fullparam/eval/score"] for e in reports[0]["logged"]] == [0.2, 0.9, 0.4, 0.1]
+    assert all(rep["results"] == [] and rep["logged"] == [] for r, rep in reports.items() if r)
+    snaps = tmp_path / "snaps"
+    assert listing(snaps) == ["best", name(4), name(8), "latest"] and (snaps / "best").read_text().strip() == name(4)
+    assert verify_snapshot(snaps / name(4)).ok and records.read_record(snaps / name(4))["scores"]["score"] == 0.9
