@@ -3,7 +3,7 @@
     python -I runner.py WORKDIR        (WORKDIR = <snapshot>/.fullparam-eval, holding spec.json)
 
 Started by the hook (``hook.py``) in a session of its own, so it outlives a training job that is
-killed: it lowers its CPU priority (``os.nice``), starts the evaluator in its own process group
+killed: it lowers its CPU priority (``os.nice``), starts the evaluator in a session (and process group) of its own
 with its stdout and stderr going to the snapshot's log file, stops that group on timeout
 (SIGTERM, then SIGKILL) or when it is told to stop (SIGTERM: the training ended), and writes
 what happened to ``WORKDIR/status.json`` (atomically): exit code, timeout, the last line the
@@ -89,7 +89,7 @@ def run(workdir: str) -> dict:
     with open(spec["log"], "wb") as log:
         try:
             proc = subprocess.Popen(spec["argv"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
-                                    env=env, cwd=spec.get("cwd") or None, process_group=0)
+                                    env=env, cwd=spec.get("cwd") or None, start_new_session=True)
         except (OSError, ValueError) as e:
             status["error"] = f"cannot start {spec['argv'][0]!r}: {getattr(e, 'strerror', None) or e}"
             log.write(f"paddle-fullparam: {status['error']}\n".encode())
