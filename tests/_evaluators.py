@@ -12,7 +12,8 @@
 - ``hang``: sleeps an hour (for timeouts and the end of training);
 - ``gate``: waits for the file ``plan["gate"]`` to exist (``{step}`` in it replaced by the step), then does ``ok``.
 
-Every call appends ``{"step", "pid", "rank", "nice", "snapshot"}`` to ``plan["calls"]`` first.
+Every call appends ``{"step", "pid", "rank", "nice", "autogroup", "snapshot"}`` to ``plan["calls"]`` first
+(``autogroup``: ``/proc/self/autogroup``, e.g. ``/autogroup-12 nice 10``).
 """
 from __future__ import annotations
 
@@ -26,8 +27,12 @@ import json, os, sys, time
 snapshot, step, output, plan_path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 plan = json.load(open(plan_path))
 with open(plan["calls"], "a") as f:
+    try:
+        group = open("/proc/self/autogroup").read().strip()
+    except OSError:
+        group = None
     f.write(json.dumps({"step": step, "pid": os.getpid(), "rank": os.environ.get("PADDLE_TRAINER_ID"),
-                        "nice": os.nice(0), "snapshot": snapshot}) + "\n")
+                        "nice": os.nice(0), "autogroup": group, "snapshot": snapshot}) + "\n")
 what = plan.get("by_step", {}).get(str(step), plan.get("default", "ok"))
 if what == "gate":
     while not os.path.exists(plan["gate"].replace("{step}", str(step))):

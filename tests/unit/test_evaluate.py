@@ -171,6 +171,9 @@ def test_the_hook_evaluates_every_kth_commit_and_the_last_at_lower_priority(tmp_
     assert [(ev.step, ev.status) for ev in done] == [(2, "ok"), (4, "ok"), (5, "ok")]
     assert [ev.scores["score"] for ev in done] == [50.0, 25.0, 20.0] and hook.busy() == set()
     assert {c["nice"] for c in calls(tmp_path)} == {10}  # the evaluator yields the CPU to training
+    # ... also where Linux schedules sessions as groups (autogroup): its group's nice value is 10 too
+    groups = {c["autogroup"] for c in calls(tmp_path)}
+    assert groups == {None} or all(g.endswith(" nice 10") for g in groups), groups
     for ev in done:
         rec = records.read_record(ev.path)
         assert rec["status"] == "ok" and rec["step"] == ev.step and rec["exit_code"] == 0

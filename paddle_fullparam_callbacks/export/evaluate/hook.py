@@ -93,6 +93,7 @@ class EvaluationHook:
         self._last: Optional[Evaluation] = None
         self._last_due = False
         self._warned_backlog = False
+        self._waited_s: Optional[float] = None  # close(): how long the end of training waited
 
     # ---- the training side -------------------------------------------------------------------
     def committed(self, name: str, path: Path, step: int, in_output_dir: bool = True) -> bool:
@@ -165,12 +166,14 @@ class EvaluationHook:
         with self._cond:
             while (self._line or self._running) and deadline - time.monotonic() > 0:
                 self._cond.wait(deadline - time.monotonic())
+            self._waited_s = wait_s
             self._closing.set()
             left, self._line = self._line, []
             running = list(self._running.values())
             self._cond.notify_all()
         for ev in left:
-            self._record_unstarted(ev, wait_s)
+            ev.record = self._unstarted(ev, wait_s)
+            self._done.put(ev)
         for ev in running:
             ev.stopped_after_s = wait_s
             self._signal(ev, signal.SIGTERM)
@@ -220,6 +223,9 @@ class EvaluationHook:
         return {"snapshot": ev.name, "step": ev.step, "run": self.run_id}
 
     def _evaluate(self, ev: Evaluation) -> None:
+        if self._closing.is_set():  # taken from the line as the training ended: never started
+            ev.record = self._unstarted(ev, self._waited_s or 0.0)
+            return
         identity = snapshot_identity(ev.path)
         if identity is None:
             ev.record = {**self._base(ev), "status": records.FAILED,
@@ -246,6 +252,9 @@ class EvaluationHook:
                       "timeout_s": self.cfg.timeout_s, "log": records.LOG, "identity": identity}
         records.write_record(ev.path, ev.running)
         _faults.point("evaluate_running")
+        if self._closing.is_set():  # started as the training ended: stop it (a second SIGTERM is harmless)
+            ev.stopped_after_s = self._waited_s
+            self._signal(ev, signal.SIGTERM)
         try:
             ev.proc.wait(timeout=self.cfg.timeout_s + BACKSTOP_S)
         except subprocess.TimeoutExpired:
@@ -291,7 +300,8 @@ class EvaluationHook:
         except (ProcessLookupError, PermissionError, KeyError, TypeError):
             pass
 
-    def _record_unstarted(self, ev: Evaluation, waited: float) -> None:
+    def _unstarted(self, ev: Evaluation, waited: float) -> dict:
+        """The record of an evaluation the end of training left in line (written into its snapshot)."""
         record = {**self._base(ev), "status": records.UNFINISHED,
                   "error": f"not started: the training ended first (after waiting {waited:.0f} s, "
                            "evaluate.wait_at_end_s); `paddle-fullparam evaluate` runs it"}
@@ -302,8 +312,7 @@ class EvaluationHook:
                 records.write_record(ev.path, record)
             except OSError as e:
                 record["error"] += f" (the record could not be written: {e})"
-        ev.record = record
-        self._done.put(ev)
+        return record
 
 
 def records_json(path: Path) -> Optional[dict]:

@@ -3,7 +3,8 @@
     python -I runner.py WORKDIR        (WORKDIR = <snapshot>/.fullparam-eval, holding spec.json)
 
 Started by the hook (``hook.py``) in a session of its own, so it outlives a training job that is
-killed: it lowers its CPU priority (``os.nice``), starts the evaluator in a session (and process group) of its own
+killed: it lowers its CPU priority (``os.nice``, and its session's autogroup: see
+:func:`lower_priority`), starts the evaluator in a process group of its own (in the same session)
 with its stdout and stderr going to the snapshot's log file, stops that group on timeout
 (SIGTERM, then SIGKILL) or when it is told to stop (SIGTERM: the training ended), and writes
 what happened to ``WORKDIR/status.json`` (atomically): exit code, timeout, the last line the
@@ -73,13 +74,29 @@ class _Stopper:
                 continue
 
 
+def lower_priority(n: int) -> None:
+    """``os.nice(n)``, and the same nice value for this session's autogroup. Linux (with
+    ``kernel.sched_autogroup_enabled``, the default of most distributions) schedules each session
+    as a group: the runner, in a session of its own, would compete with the whole training job as
+    an equal, whatever its nice value (measured by bench/eval_stall.py: a nice-10 evaluator slowed
+    training as much as a nice-0 one). The group's own nice value restores the intent."""
+    if n <= 0:
+        return
+    try:
+        os.nice(n)
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(n))
+    except OSError:  # no autogroup (another OS, or the feature off): nice alone applies
+        pass
+
+
 def run(workdir: str) -> dict:
     with open(os.path.join(workdir, "spec.json")) as f:
         spec = json.load(f)
-    try:
-        os.nice(int(spec.get("nice", 0)))
-    except OSError:
-        pass
+    lower_priority(int(spec.get("nice", 0)))
     status = {"runner_pid": os.getpid(), "started_unix": time.time(), "exit_code": None, "timed_out": False,
               "terminated": False, "last_line": "", "error": None}
     stopper = _Stopper()
@@ -88,8 +105,10 @@ def run(workdir: str) -> dict:
     env.update({str(k): str(v) for k, v in (spec.get("env") or {}).items()})
     with open(spec["log"], "wb") as log:
         try:
+            # its own process group (to stop it and its children together), in this session: same autogroup
+            group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
             proc = subprocess.Popen(spec["argv"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
-                                    env=env, cwd=spec.get("cwd") or None, start_new_session=True)
+                                    env=env, cwd=spec.get("cwd") or None, **group)
         except (OSError, ValueError) as e:
             status["error"] = f"cannot start {spec['argv'][0]!r}: {getattr(e, 'strerror', None) or e}"
             log.write(f"paddle-fullparam: {status['error']}\n".encode())
