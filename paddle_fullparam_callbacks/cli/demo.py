@@ -209,10 +209,10 @@ def run_demo(output_dir: str = "demo_output", recipe: Optional[str] = "demo_tiny
     (0: every snapshot verifies). ``steps`` < 1 raises :class:`ConfigError` (``--steps: ...``)."""
     steps = check_steps(steps)
     from ..export.commit.pointers import read_pointer
-    from . import demo_eval
     from ..export.verify.snapshot import verify_snapshot
     from ..trainer.attach import attach
     from ..trainer.callback import FullParamExportCallback
+    from . import demo_eval
 
     out = Path(output_dir).resolve()
     # the recipe and overrides are checked before anything is written or trained
