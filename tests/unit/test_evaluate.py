@@ -308,3 +308,29 @@ def test_a_callable_runs_in_the_evaluators_interpreter_and_returns_its_result(tm
     (ev,) = hook.drain()
     assert ev.status == "ok" and ev.scores["score"] == 8.0 and ev.scores["nice"] == 5.0 and ev.scores["pid"] != os.getpid()
     assert records.read_record(ev.path)["command"].startswith(f"{sys.executable} -c '<bootstrap>' my_scores:score ")
+
+
+def test_evaluate_afterwards_fills_in_and_leaves_a_live_jobs_directory_to_it(tmp_path):
+    from paddle_fullparam_callbacks.export.commit.lock import acquire_lock
+    from paddle_fullparam_callbacks.export.evaluate.offline import evaluate_path
+
+    out = tmp_path / "out"
+    snaps = {s: _snapshot(out, s) for s in (1, 2, 3)}
+    records.write_record(snaps[1], {"status": "failed", "error": "exit status 3"})
+    records.write_record(snaps[2], {"status": "unfinished", "error": "stopped"})
+    command = fake_evaluator(tmp_path, {"scores": {"1": 0.5, "2": 0.1, "3": 0.3}})
+    cfg = load_config(None, [f"evaluate.command={command}", f"evaluate.python={sys.executable}",
+                             "retention.metric=evaluate.score", "retention.mode=max"])
+    said = []
+    job = acquire_lock(out, owner="a training job")  # a live job writes here: it keeps its evaluations and best
+    try:
+        done = evaluate_path(out, cfg, say=said.append)
+    finally:
+        job.release()
+    assert [(ev.step, ev.status) for ev in done] == [(3, "ok")] and not (out / "best").exists()
+    assert any("its own hook evaluates what it runs" in s for s in said) and said[-1].startswith("best: not updated")
+    done = evaluate_path(out, cfg, say=said.append)  # the job has ended: the unfinished one, then best
+    assert [(ev.step, ev.status) for ev in done] == [(2, "ok")] and said[-1] == "best -> hf-step-000003 (by evaluate.score, max)"
+    done = evaluate_path(out, cfg, redo="failed", say=said.append)
+    assert [(ev.step, ev.status) for ev in done] == [(1, "ok")] and said[-1] == "best -> hf-step-000001 (by evaluate.score, max)"
+    assert not (out / ".fullparam.lock").exists()

@@ -1,11 +1,12 @@
 """``paddle-fullparam evaluate SNAPSHOT|OUTPUT_DIR``: the same hook, after training.
 
-Settles what earlier jobs left (``recovery.py``), then evaluates every snapshot that lacks a
-result (no record, or one left unfinished; ``--failed`` adds failed and timed-out ones, ``--all``
-every snapshot), ``evaluate.max_concurrent`` at a time, each bounded by ``evaluate.timeout_s``,
-writing the same records as during training. In an output directory it then points ``best`` by
-``retention.metric`` when it can take the directory's lock (a live training job holding it keeps
-its own ``best``); it never removes anything.
+In an output directory it takes the directory's lock for its run (one writer at a time), settles
+what earlier jobs left (``recovery.py``), evaluates every snapshot that lacks a result (no record,
+or one left unfinished; ``--failed`` adds failed and timed-out ones, ``--all`` every snapshot),
+``evaluate.max_concurrent`` at a time, each bounded by ``evaluate.timeout_s``, writing the same
+records as during training, and points ``best`` by ``retention.metric``. When a live training job
+holds the lock, that job's hook owns the evaluations it runs: only snapshots without a record are
+evaluated and ``best`` is left to the job. It never removes anything.
 """
 from __future__ import annotations
 
@@ -49,14 +50,29 @@ def evaluate_path(path: "str | Path", config: FullParamConfig, redo: str = "miss
                                               "(e.g. evaluate_each_snapshot) or evaluate.command=...")
     python = resolve_python(config.evaluate)
     snaps, output_dir = targets(Path(path), config)
-    settled, alive = recover(snaps)
+    lock = None
+    if output_dir is not None:
+        try:
+            lock = acquire_lock(output_dir, owner="paddle-fullparam evaluate")
+        except OutputDirLocked as e:
+            say(f"{e}: its own hook evaluates what it runs; only snapshots without a record are evaluated here")
+            redo = "none"
+    try:
+        return _evaluate(snaps, output_dir, config, python, redo, lock is not None or output_dir is None, say, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _evaluate(snaps, output_dir, config, python, redo, settle, say, lock) -> List[Evaluation]:
+    settled, alive = recover(snaps) if settle else ([], [])
     for ev in settled:
         say(f"{ev.name}: left by an earlier job, recorded now: {ev.status}")
     busy = {str(ev.path) for ev in alive}
     for ev in alive:
         say(f"{ev.name}: being evaluated by another process (pid {(ev.running or {}).get('pid')}); skipped")
-    redo_statuses = {"missing": (records.UNFINISHED,), "failed": (records.UNFINISHED, records.FAILED, records.TIMEOUT),
-                     "all": records.STATUSES}[redo]
+    redo_statuses = {"none": (), "missing": (records.UNFINISHED,),
+                     "failed": (records.UNFINISHED, records.FAILED, records.TIMEOUT), "all": records.STATUSES}[redo]
     hook = EvaluationHook(config.evaluate, python, run_id="paddle-fullparam-evaluate")
     todo = 0
     for name, step, snap, in_dir in snaps:
@@ -69,20 +85,10 @@ def evaluate_path(path: "str | Path", config: FullParamConfig, redo: str = "miss
     hook.close(WAIT_FOREVER_S)
     done = hook.drain()
     if output_dir is not None and config.retention.metric:
-        _point_best(output_dir, config, say)
+        if lock is None:
+            say("best: not updated; the job holding the directory keeps it")
+        else:
+            ret, pattern = config.retention, snapshot_step_pattern(config.export.name_template)
+            best = update_best(output_dir, pattern, ret.metric, ret.mode, newest_run(output_dir, pattern), ret.other_runs)
+            say(f"best -> {best} (by {ret.metric}, {ret.mode})" if best else f"best: no snapshot has {ret.metric}")
     return settled + sorted(done, key=lambda ev: ev.step)
-
-
-def _point_best(output_dir: Path, config: FullParamConfig, say: Callable[[str], None]) -> None:
-    ret = config.retention
-    pattern = snapshot_step_pattern(config.export.name_template)
-    try:
-        lock = acquire_lock(output_dir, owner="paddle-fullparam evaluate")
-    except OutputDirLocked as e:
-        say(f"best: not updated ({e}); the job holding the directory keeps it")
-        return
-    try:
-        best = update_best(output_dir, pattern, ret.metric, ret.mode, newest_run(output_dir, pattern), ret.other_runs)
-        say(f"best -> {best} (by {ret.metric}, {ret.mode})" if best else f"best: no snapshot has {ret.metric}")
-    finally:
-        lock.release()
