@@ -30,8 +30,11 @@ python-path:
 envs:
 	@$(ENV) paddleformers >/dev/null && $(ENV) paddlenlp >/dev/null && $(ENV) hf >/dev/null && $(ENV) docs >/dev/null
 
+# a recipe with an evaluation hook (evaluate_each_snapshot, evaluate.* overrides) gets the hf environment's
+# python as $$PFC_HF_PYTHON (the bundled perplexity evaluator needs torch + transformers); the default demo does not
 demo:
 	@PY=$$($(ENV) paddleformers); \
+	case " $(ARGS) " in *evaluate*) export PFC_HF_PYTHON=$${PFC_HF_PYTHON:-$$($(ENV) hf)};; esac; \
 	$$PY -m paddle_fullparam_callbacks demo --output-dir demo_output $(ARGS)
 
 test: check-requirements docs test-paddleformers test-paddlenlp
@@ -60,7 +63,7 @@ test-paddlenlp:
 bench:
 	@PY=$$($(ENV) paddleformers); \
 	$$PY bench/export_single.py && $$PY bench/export_ranks.py && $$PY bench/convert.py && $$PY bench/assembler.py && \
-	$$PY bench/async_stall.py && $$PY bench/lora_merge.py
+	$$PY bench/async_stall.py && $$PY bench/lora_merge.py && $$PY bench/eval_stall.py
 
 faults:
 	@PY=$$($(ENV) paddleformers); \

@@ -9,6 +9,7 @@ evaluates every ``steps // 4`` steps (``cli/demo.py``); the steps below are chos
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -204,7 +205,8 @@ def check_eval_best(run: DemoRun) -> None:
     assert cfg.trigger.on_evaluate and not cfg.trigger.on_save and cfg.trigger.every_n_steps is None
     r = cfg.retention
     assert (r.metric, r.mode, r.keep_best, r.keep_last) == ("eval_loss", "min", 2, 1)
-    assert run.line("demo: recipe eval_best, 20 steps, evaluation every 5 steps") is not None, run.stdout
+    first = run.line("demo: recipe eval_best, 20 steps on ")  # the demo trains on its text since the tokenizer change
+    assert first is not None and ", evaluation every 5 steps on " in first, run.stdout
     check_common(run, in_snapshots(run))
     assert run.metric == "eval_loss"
     # an evaluation every 5 steps, a snapshot after each (the one at the end is that of step 20)
@@ -264,6 +266,41 @@ def check_async_every_n_steps(run: DemoRun) -> None:
     assert [float(x) for x in logged.split(": ", 1)[1].split(", ")] == pytest.approx([r.stall_s for r in run.rows], abs=2e-4)
 
 
+def check_evaluate_each_snapshot(run: DemoRun) -> None:
+    # "each snapshot scored while training goes on: perplexity on held-out text (bundled evaluator, HF env);
+    # best follows it": every 10 steps of 30, each snapshot evaluated by the real perplexity evaluator
+    cfg = load_config("evaluate_each_snapshot")
+    e, r = cfg.evaluate, cfg.retention
+    assert e.command == "{python} -m paddle_fullparam_callbacks.export.evaluate.perplexity {snapshot} --output {output}"
+    assert (e.python, e.every, e.last, e.max_concurrent) == ("$PFC_HF_PYTHON", 1, True, 1)
+    assert (r.metric, r.mode, r.keep_best, r.keep_last) == ("evaluate.perplexity", "min", 2, 1)
+    assert run.line("demo: recipe evaluate_each_snapshot, 30 steps on") is not None and "evaluation every" not in run.stdout
+    check_common(run, in_snapshots(run))
+    assert run.metric == "evaluate.perplexity"
+    assert [(x.step, x.reason) for x in run.rows] == [(s, "every_n_steps") for s in (10, 20, 30)]
+    ppl = {x.name: x.metric for x in run.rows}
+    assert all(v is not None and 1 < v < 512 for v in ppl.values()), ppl  # better than uniform over 512 tokens
+    for x in run.rows:  # the line under the table says the same, from the evaluator's own record
+        assert run.line(f"evaluation of {x.name}: ok, perplexity {x.metric:.4f}, nll ") is not None, run.stdout
+    logged = run.line("scores logged through trainer.log as fullparam/eval/perplexity (value@snapshot step): ")
+    assert logged.split(": ", 1)[1] == ", ".join(f"{ppl[name(s)]:.4f}@{s}" for s in (10, 20, 30))
+    lowest = sorted(ppl, key=ppl.get)
+    expect_kept = sorted(set(lowest[:2]) | {name(30)})
+    check_snapshot_dir(run, expect_kept, pointers=("best", "latest"))
+    best = (run.snaps / "best").read_text().strip()
+    assert best == lowest[0] and run.line("best -> ").startswith(
+        f"best -> {best} (evaluate.perplexity {ppl[best]:.6f}: the lowest of 3 snapshots, 3 evaluations)")
+    for n in expect_kept:
+        snap = run.snaps / n
+        record = json.loads((snap / "fullparam_evaluation.json").read_text())
+        assert record["status"] == "ok" and record["scores"]["perplexity"] == pytest.approx(ppl[n], abs=1e-6)
+        scores = record["scores"]
+        assert scores["perplexity"] == pytest.approx(math.exp(scores["nll"])) and scores["tokens"] == 337
+        assert record["result"]["text"].endswith("cli/demo_data/heldout.txt")
+        assert sorted(p.name for p in snap.iterdir() if p.name.startswith(("fullparam_", ".fullparam"))) == [
+            "fullparam_eval.log", "fullparam_evaluation.json", "fullparam_manifest.json"]
+
+
 @dataclass
 class Expect:
     steps: int
@@ -277,16 +314,19 @@ EXPECT: Dict[str, Expect] = {
     "eval_best": Expect(20, check_eval_best),
     "checkpoint_hook": Expect(20, check_checkpoint_hook),
     "async_every_n_steps": Expect(20, check_async_every_n_steps, ["trigger.every_n_steps=5"]),
+    "evaluate_each_snapshot": Expect(30, check_evaluate_each_snapshot),
 }
 
 BUNDLED = [n for n, _ in list_recipes()]
 
 
 @pytest.mark.parametrize("recipe", BUNDLED)
-def test_bundled_recipe_in_the_demo(recipe, tmp_path):
+def test_bundled_recipe_in_the_demo(recipe, tmp_path, request, monkeypatch):
     if recipe not in EXPECT:
         pytest.fail(f"bundled recipe {recipe!r} has no expectation in tests/test_pf_recipes_demo.py EXPECT: add what "
                     "its description promises, checked on the demo's output")
+    if load_config(recipe).evaluate.python == "$PFC_HF_PYTHON" and not os.environ.get("PFC_HF_PYTHON"):
+        monkeypatch.setenv("PFC_HF_PYTHON", request.getfixturevalue("hf_python"))  # as `make demo` does
     e = EXPECT[recipe]
     run = run_demo_cli(tmp_path / "demo", recipe, e.steps, e.overrides)
     e.check(run)

@@ -153,6 +153,7 @@ class _DemoRecorder:
     def __init__(self):
         self.metrics = {}  # step -> {name: value}
         self.stalls = []
+        self.evaluations = []  # what the evaluation hook logged (fullparam/eval/<key>)
 
     def __getattr__(self, name):
         if name.startswith("on_"):
@@ -165,6 +166,8 @@ class _DemoRecorder:
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "fullparam/stall_s" in logs:
             self.stalls.append(logs["fullparam/stall_s"])
+        if logs and any(k.startswith("fullparam/eval/") for k in logs):
+            self.evaluations.append({k: v for k, v in logs.items() if k.startswith("fullparam/eval/")})
 
 
 def _prepare_output(out: Path) -> None:
@@ -209,6 +212,7 @@ def run_demo(output_dir: str = "demo_output", recipe: Optional[str] = "demo_tiny
     from ..export.verify.snapshot import verify_snapshot
     from ..trainer.attach import attach
     from ..trainer.callback import FullParamExportCallback
+    from . import demo_eval
 
     out = Path(output_dir).resolve()
     # the recipe and overrides are checked before anything is written or trained
@@ -216,12 +220,13 @@ def run_demo(output_dir: str = "demo_output", recipe: Optional[str] = "demo_tiny
         recipe, overrides=[f"output_dir={out / 'snapshots'}", *(overrides or [])]
     )
     cfg = cb.config
+    demo_eval.check(cfg)  # the evaluator's interpreter, before anything is written
     _prepare_output(out)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     quiet_framework_logs()
 
     metric = cfg.retention.metric
-    evaluate = bool(cfg.trigger.on_evaluate or metric)
+    evaluate = bool(cfg.trigger.on_evaluate or demo_eval.trainer_metric(cfg))
     tokenizer = demo_tokenizer()
     train_dataset = TextDataset(tokenizer, DEMO_DATA / "corpus.txt")
     extra, eval_dataset, eval_steps = {}, None, None
@@ -251,7 +256,8 @@ def run_demo(output_dir: str = "demo_output", recipe: Optional[str] = "demo_tiny
     snaps_dir = cb.session.output_dir if cb.session else out / "snapshots"
     where = f"{out / 'trainer'}/checkpoint-N/{cfg.checkpoint_hook.subdir}" if cfg.checkpoint_hook.enabled else snaps_dir
     print()
-    print(f"trained {steps} steps in {train_s:.1f} s; snapshots in {where}")
+    waited = f" (with {cb.evaluation.waited_s:.1f} s waiting for evaluations at the end)" if cb.evaluation.waited_s else ""
+    print(f"trained {steps} steps in {train_s:.1f} s{waited}; snapshots in {where}")
     name_w = max([18] + [len(_display_name(s, out)) for s in cb.snapshots])
     cols = f"{'snapshot':<{name_w}} {'step':>5} {'reason':<14} {'files':>5} {'bytes':>10} {'seconds':>8} {'stall_s':>8}"
     if metric:
@@ -283,6 +289,8 @@ def run_demo(output_dir: str = "demo_output", recipe: Optional[str] = "demo_tiny
             value = (manifest or {}).get("metrics", {}).get(metric)
             if value is None:
                 value = recorder.metrics.get(s.step, {}).get(metric)
+            if value is None:  # evaluate.<score>: the evaluation hook's
+                value = demo_eval.score(cb, s.name, metric)
             if value is not None:
                 tracked[s.name] = float(value)
             line += f" {_fmt_metric(value):>12}"
@@ -291,10 +299,12 @@ def run_demo(output_dir: str = "demo_output", recipe: Optional[str] = "demo_tiny
         ok = False
         for e in cb.errors:
             print(f"export error: {e}")
+    ok &= demo_eval.print_evaluations(cb, recorder.evaluations)
     if pointers["latest"]:
         print(f"latest -> {pointers['latest']}")
     if metric:
-        ok &= _print_best(snaps_dir, pointers["best"], metric, cfg.retention.mode, tracked, len(recorder.metrics))
+        ok &= _print_best(snaps_dir, pointers["best"], metric, cfg.retention.mode, tracked,
+                          len(recorder.metrics) or len(cb.evaluation.results))
     if cfg.export.async_write and cb.snapshots:
         waited = sum(s.stall_s for s in cb.snapshots)
         took = sum(s.seconds for s in cb.snapshots)

@@ -1,4 +1,4 @@
-"""``paddle-fullparam``: demo | verify | convert | plan | recipes."""
+"""``paddle-fullparam``: demo | verify | convert | evaluate | plan | recipes."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ from typing import List, Optional
 DESCRIPTION = (
     "Full-parameter Hugging Face snapshots of PaddlePaddle training jobs. "
     "demo: train a tiny model on CPU with the callback and list its snapshots; verify: check snapshots; "
-    "convert: an HF snapshot from a trainer checkpoint on disk; "
+    "convert: an HF snapshot from a trainer checkpoint on disk; evaluate: run the evaluation hook on snapshots; "
     "plan: show how a hybrid-parallel job would assemble and write a snapshot; recipes: list the bundled recipes."
 )
 OVERRIDES_HELP = ("recipe overrides as key=value, e.g. trigger.every_n_steps=10 retention.keep_last=2; a value that "
@@ -131,6 +131,31 @@ def _cmd_convert(ns) -> int:
     return 0
 
 
+def _cmd_evaluate(ns) -> int:
+    """Exit 0 if every evaluation run or settled now is ok, 1 otherwise, 2 for usage or recipe errors."""
+    import logging
+
+    from ..config.recipes import load_config
+    from ..export.evaluate.offline import evaluate_path
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = load_config(ns.recipe, ns.overrides)
+    redo = "all" if ns.all else "failed" if ns.failed else "missing"
+    try:
+        done = evaluate_path(ns.path, config, redo=redo)
+    except FileNotFoundError as e:
+        print(f"paddle-fullparam evaluate: {e}", file=sys.stderr)
+        return 2
+    for ev in done:
+        record = ev.record or {}
+        if ev.status == "ok":
+            what = ", ".join(f"{k}={v:.6g}" for k, v in list(ev.scores.items())[:8]) or "no numeric score"
+        else:
+            what = str(record.get("error"))
+        print(f"{ev.name:<20} step {ev.step:>7}  {ev.status:<10} {what}")
+    return 0 if all(ev.status == "ok" for ev in done) else 1
+
+
 def _cmd_demo(ns) -> int:
     from .demo import run_demo
 
@@ -185,6 +210,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="processes that write the snapshot's files in parallel, a whole number >= 1 (default 1)")
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP + "; e.g. export.dtype=bfloat16")
     c.set_defaults(func=_cmd_convert)
+
+    text = ("run the evaluation hook (evaluate.command or evaluate.callable of a recipe) on a snapshot, or on the "
+            "snapshots of an output directory that lack a result")
+    e = sub.add_parser("evaluate", help=text, description=text + "; exit 0 if all are ok, 1 if any failed, 2 for usage.")
+    e.add_argument("path", metavar="SNAPSHOT|OUTPUT_DIR", help="a snapshot directory or an output directory")
+    e.add_argument("--recipe", help="a bundled recipe name or YAML path with an evaluate section (e.g. "
+                                    "evaluate_each_snapshot)")
+    e.add_argument("--failed", action="store_true", help="also run again the evaluations that failed or timed out")
+    e.add_argument("--all", action="store_true", help="evaluate every snapshot again")
+    e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP + "; e.g. evaluate.python=$PFC_HF_PYTHON")
+    e.set_defaults(func=_cmd_evaluate)
 
     text = "print the meshes and writers of a hybrid-parallel topology (nothing is launched)"
     pl = sub.add_parser("plan", help=text, description=text + ".")

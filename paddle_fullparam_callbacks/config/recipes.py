@@ -247,7 +247,7 @@ def load_config(
             for item in overrides:
                 if "=" not in item or not item.split("=", 1)[0].strip():
                     raise ConfigError(str(item), "an override must be written key=value, e.g. trigger.every_n_steps=100")
-                _check_override(item)
+                _check_override(_as_text(item))  # a text value starting with { is checked as the text it is
             layers.append(OmegaConf.from_dotlist([_as_text(item) for item in overrides]))
         for layer in layers[1:]:
             _reject_interpolations(layer)

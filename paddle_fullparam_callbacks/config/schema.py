@@ -249,6 +249,104 @@ class CheckpointHookConfig:
             raise ConfigError("checkpoint_hook.subdir", f"must be one plain directory name; got {self.subdir!r}")
 
 
+# ---- issue 21: the evaluation hook ---------------------------------------------------------------
+EVALUATE_FIELDS = ("snapshot", "step", "output", "python")
+EVALUATE_METRIC_PREFIX = "evaluate."
+"""``retention.metric: evaluate.<key>`` follows the score ``<key>`` of the evaluation hook."""
+
+
+def _check_number(key: str, value: Any, low: float, *, integer: bool = False, strict: bool = False,
+                  high: Optional[float] = None) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+    ok = ok and math.isfinite(value) and (value > low if strict else value >= low) and (high is None or value <= high)
+    if not ok:
+        what = "a whole number" if integer else "a number of seconds"
+        bound = f"{'>' if strict else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+        raise ConfigError(key, f"must be {what} {bound}; got {value!r}")
+
+
+@dataclass
+class EvaluateConfig:
+    """Score committed snapshots with an evaluator in a separate process while training goes on."""
+
+    command: Optional[str] = None
+    """A command line run once per evaluated snapshot, split like a shell would (no shell features:
+    pipes and redirections need an explicit `sh -c '...'`), with {snapshot} (its absolute path), {step},
+    {output} (a file for its JSON result) and {python} (evaluate.python) filled in. Its result: a JSON
+    object written to {output}, or else its last line on stdout."""
+    callable: Optional[str] = None
+    """'package.module:function' instead of a command, run in a separate process of evaluate.python as
+    fn(snapshot=..., step=..., output=...); it returns the result (a dict) or writes it to output."""
+    python: Optional[str] = None
+    """The interpreter of {python} and of evaluate.callable (the evaluator may need another environment
+    than training): a path, a command on PATH, or $NAME, an environment variable holding one (read when
+    the job starts). null: this job's own interpreter."""
+    every: int = 1
+    """Evaluate every k-th committed snapshot of the job (1: each one); 0: none by count (evaluate.last)."""
+    last: bool = True
+    """Also evaluate the last snapshot committed by the training, whatever evaluate.every says."""
+    max_concurrent: int = 1
+    """Evaluations running at once; the others wait in line (their snapshots are kept meanwhile)."""
+    timeout_s: float = 3600.0
+    """An evaluation running longer is stopped (its process group: SIGTERM, then SIGKILL) and recorded as timed out."""
+    wait_at_end_s: float = 600.0
+    """At the end of training, wait this long for evaluations still running or waiting; the rest is
+    stopped and recorded as unfinished (`paddle-fullparam evaluate` runs them later)."""
+    nice: int = 10
+    """CPU priority of the evaluator (os.nice increment, 0-19): it yields the CPU to training."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.command or self.callable)
+
+    def __post_init__(self):
+        if self.command is not None and self.callable is not None:
+            raise ConfigError("evaluate.callable", "is set together with evaluate.command: give one of them")
+        if self.command is not None:
+            self._check_command()
+        if self.callable is not None:
+            module, _, fn = str(self.callable).partition(":")
+            if not module.strip() or not fn.strip():
+                raise ConfigError("evaluate.callable", f"must be 'package.module:function'; got {self.callable!r}")
+        py = self.python
+        if py is not None:
+            if not isinstance(py, str) or not py.strip():
+                raise ConfigError("evaluate.python", f"must be an interpreter path, a command or $NAME (or null); got {py!r}")
+            if py.startswith("$") and not py[1:].replace("_", "a").isalnum():
+                raise ConfigError("evaluate.python", f"{py!r}: $NAME must name an environment variable (letters, digits, _)")
+        _check_number("evaluate.every", self.every, 0, integer=True)
+        _check_number("evaluate.max_concurrent", self.max_concurrent, 1, integer=True)
+        _check_number("evaluate.timeout_s", self.timeout_s, 0, strict=True)
+        _check_number("evaluate.wait_at_end_s", self.wait_at_end_s, 0)
+        _check_number("evaluate.nice", self.nice, 0, integer=True, high=19)
+        if self.enabled and not self.every and not self.last:
+            raise ConfigError("evaluate.every", "is 0 and evaluate.last is false: no snapshot would be evaluated; "
+                                                "set evaluate.every=1 (each snapshot) or evaluate.last=true")
+
+    def _check_command(self) -> None:
+        import shlex
+        import string
+
+        key, text = "evaluate.command", self.command
+        try:
+            words = shlex.split(text) if isinstance(text, str) else []
+        except ValueError as e:
+            raise ConfigError(key, f"does not split into words ({e}); got {text!r}") from e
+        if not words:
+            raise ConfigError(key, f"is empty; give a command line such as '{{python}} -m my_eval {{snapshot}} "
+                                   f"--output {{output}}' (or leave it null); got {text!r}")
+        for word in words:
+            try:
+                fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(word) if f is not None]
+            except ValueError as e:
+                raise ConfigError(key, f"{word!r}: {e} (write a literal brace as {{{{ or }}}})") from e
+            for f, spec, conv in fields:
+                if f not in EVALUATE_FIELDS or spec or conv:
+                    raise ConfigError(key, f"{word!r}: unknown field {{{f}{'!' + conv if conv else ''}"
+                                           f"{':' + spec if spec else ''}}}; the command may use "
+                                           + ", ".join("{" + n + "}" for n in EVALUATE_FIELDS))
+
+
 @dataclass
 class FullParamConfig:
     """Everything the callback needs; a recipe file is an instance of this."""
@@ -261,6 +359,8 @@ class FullParamConfig:
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     checkpoint_hook: CheckpointHookConfig = field(default_factory=CheckpointHookConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    """Score each committed snapshot with an evaluator in a separate process (issue 21)."""
     assembler: str = "builtin"
     """builtin (this package's assembler) | paddle (Paddle's own full_param, for cross-checking)."""
     on_error: str = "warn"
@@ -277,3 +377,13 @@ class FullParamConfig:
             raise ConfigError("export.async_write", "applies to the file formats, not to export.format=callable")
         if self.export.format == "paddle_safetensors" and self.export.aoa not in ("auto",):
             raise ConfigError("export.aoa", "paddle_safetensors keeps Paddle names: leave export.aoa at 'auto'")
+        self._check_evaluate()
+
+    def _check_evaluate(self) -> None:
+        metric = self.retention.metric
+        if metric and str(metric).startswith(EVALUATE_METRIC_PREFIX) and not self.evaluate.enabled:
+            raise ConfigError("retention.metric", f"{metric!r} follows a score of the evaluation hook, but neither "
+                                                  "evaluate.command nor evaluate.callable is set")
+        if self.evaluate.enabled and self.export.format == "callable":
+            raise ConfigError("evaluate.command" if self.evaluate.command else "evaluate.callable",
+                              "export.format=callable writes no snapshot to evaluate")

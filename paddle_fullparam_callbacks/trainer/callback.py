@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Callable, Iterable, List, Optional
 
 from ..config.recipes import coerce_config
-from ..config.schema import FullParamConfig
+from ..config.schema import EVALUATE_METRIC_PREFIX, FullParamConfig
 from ..export.session.session import ExportSession
 from ..export.source import ExportError, SnapshotInfo
 from ..models import processor as processors
 from ..models import tokenizer as tokenizers
 from ..models.model_info import build_model_source, unwrap_model
 from ..plan.decisions import Decision, decide
+from .evaluation import TrainerEvaluations
 from .paths import check_trainer_paths
 from .topology import build_context, expert_axes_of
 
@@ -69,6 +70,7 @@ class FullParamExportCallback:
         self._last_time: Optional[float] = None
         self._last_step: Optional[int] = None
         self._source = None
+        self.evaluation = TrainerEvaluations(self.config)  # the evaluation hook's results: .results
 
     @classmethod
     def from_recipe(cls, recipe, overrides: Iterable[str] = (), **kwargs) -> "FullParamExportCallback":
@@ -103,6 +105,7 @@ class FullParamExportCallback:
         if warn and tokenizer is not None and not exp.tokenizer and processors.missing_processor(unwrap_model(model), tokenizer):
             logger.warning("%s", processors.NO_PROCESSOR)
         tokenizer = tokenizers.choose(exp.tokenizer, tokenizer, warn)  # before anything is made on disk
+        self.evaluation.check(ctx)  # evaluate.python, before anything is made on disk
         session = ExportSession(self.config, self._output_dir(args), fn=self.fn, ctx=ctx)
         # the checkpoint hook commits into <trainer output_dir>/checkpoint-N/: every rank must see it too
         trainer_dir = getattr(args, "output_dir", None)
@@ -115,6 +118,7 @@ class FullParamExportCallback:
             session.close()
             raise
         self.session = session
+        self.evaluation.start(session, trainer_dir)
 
     # ---- events ----------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, tokenizer=None, **kwargs):
@@ -122,6 +126,7 @@ class FullParamExportCallback:
             self._setup(args, state, model, tokenizer if tokenizer is not None else kwargs.get("processing_class"))
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.evaluation.drain(self.session, state, self.trainer)  # finished evaluations (coordinator; no collective)
         n = self.config.trigger.every_n_steps
         if n and state.global_step > 0 and state.global_step % n == 0:
             self._event(args, state, kwargs, "every_n_steps")
@@ -133,13 +138,15 @@ class FullParamExportCallback:
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         metrics = dict(metrics or {})
-        if self.config.trigger.on_evaluate or self.config.retention.metric:
+        self.evaluation.drain(self.session, state, self.trainer)
+        if self.config.trigger.on_evaluate or self._trainer_metric:
             self._event(args, state, kwargs, "evaluate", metrics)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.config.trigger.on_train_end:
             self._event(args, state, kwargs, "train_end")
         self._finish_pending(state)
+        self.evaluation.finish(self.session, state, self.trainer)  # evaluate.last, then evaluate.wait_at_end_s
         if self.session is not None:
             # the output directory is this training's while it runs; a later train() (a resume in
             # the same process) sets up again
@@ -160,6 +167,12 @@ class FullParamExportCallback:
                                                      name=self.config.checkpoint_hook.subdir), state)
 
     # ---- decisions -------------------------------------------------------------------------
+    @property
+    def _trainer_metric(self) -> Optional[str]:
+        """retention.metric when it is one of the trainer's evaluation metrics (not evaluate.<score>)."""
+        metric = self.config.retention.metric
+        return None if not metric or metric.startswith(EVALUATE_METRIC_PREFIX) else metric
+
     def _decide(self, reason: str, step: int, metrics: Optional[dict]) -> Decision:
         """Taken on the coordinator and shared: every rank acts on the same decision and metric."""
         ctx = self.session.ctx
@@ -168,7 +181,7 @@ class FullParamExportCallback:
             try:
                 d = decide(reason, step, time.time(), self._last_step, self._last_time,
                            self.config.trigger.min_interval_s,
-                           self.config.retention.metric if reason == "evaluate" else None, metrics)
+                           self._trainer_metric if reason == "evaluate" else None, metrics)
                 if reason == "evaluate" and not self.config.trigger.on_evaluate:
                     d = Decision(False, "track: metric only", step, d.metric)
                 proposal = (d.export, d.reason, d.metric, None)

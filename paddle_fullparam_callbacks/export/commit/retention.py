@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional
 
+from .evaluation import is_running, read_record, tracked_scores
 from .ownership import read_manifest, remove_snapshot
 from .pointers import POINTERS, read_pointer, write_pointer
 
@@ -25,6 +26,7 @@ class SnapshotEntry:
     seq: int  # commit order within its run
     created: float
     metrics: dict
+    evaluating: bool = False  # its evaluation (export/evaluate/) is running: never removed
 
 
 def list_snapshots(output_dir: Path, pattern) -> List[SnapshotEntry]:
@@ -44,7 +46,9 @@ def list_snapshots(output_dir: Path, pattern) -> List[SnapshotEntry]:
         seq = run.get("seq") if isinstance(run.get("seq"), int) else 0
         created = manifest.get("created_unix") if isinstance(manifest.get("created_unix"), (int, float)) else 0.0
         metrics = manifest.get("metrics") if isinstance(manifest.get("metrics"), dict) else {}
-        out.append(SnapshotEntry(p.name, int(m.group(1)), p, run.get("id"), seq, float(created), metrics))
+        metrics = {**metrics, **tracked_scores(p)}  # the evaluation hook's scores, as evaluate.<key>
+        out.append(SnapshotEntry(p.name, int(m.group(1)), p, run.get("id"), seq, float(created), metrics,
+                                 is_running(read_record(p))))
     out.sort(key=lambda e: (e.step, e.name))
     return out
 
@@ -103,6 +107,7 @@ def apply_retention(output_dir: Path, pattern, keep_last: int, protect: Iterable
     if keep_last <= 0 and keep_best <= 0:
         return []
     protected = set(protect) | {n for n in (read_pointer(output_dir, p) for p in POINTERS) if n}
+    protected |= {e.name for e in list_snapshots(output_dir, pattern) if e.evaluating}
     doomed = to_remove(_candidates(output_dir, pattern, metric, run_id, other_runs), keep_last, keep_best, mode,
                        protected)
     for name in doomed:

@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Iterable, Optional
 
 from ... import _faults
 from ...config.schema import FullParamConfig
@@ -94,6 +94,11 @@ class Committer:
         self.config, self.ctx, self.output_dir, self.pattern = config, ctx, output_dir, pattern
         self.run_id, self.seq = new_run_id(), 1  # settled when the session starts
         self.lock = None  # the coordinator's lock of output_dir (commit.lock), set when the session starts
+        # the evaluation hook (trainer/evaluation.py): told of each commit; its snapshots in line or being
+        # evaluated are kept by retention
+        self.on_commit: Optional[Callable[[ExportJob], None]] = None
+        self.busy: Callable[[], Iterable[str]] = lambda: ()
+        self._after_lock = threading.Lock()  # after_commit: a background commit's and the training thread's
 
     def _diagnose(self, job: ExportJob) -> Optional[str]:
         """After a failed export (every rank calls it): what the coordinator's lock says happened to
@@ -198,24 +203,32 @@ class Committer:
             raise
         self.seq += 1
         _faults.point("latest")
-        if latest is None:
-            return
-        commit.install_pointer(self.output_dir, "latest", latest)
-        self.after_commit(name)
+        if latest is not None:
+            commit.install_pointer(self.output_dir, "latest", latest)
+        if self.on_commit is not None:
+            try:
+                self.on_commit(job)
+            except Exception as e:  # the snapshot is committed: an evaluation that cannot be queued is no failure of it
+                logger.warning("snapshot %s is committed, but its evaluation could not be queued: %s", name, e)
+        if latest is not None:
+            self.after_commit(name)
 
-    def after_commit(self, name: str) -> None:
+    def after_commit(self, name: Optional[str]) -> None:
         """Point ``best`` at the best snapshot by the tracked metric, then apply retention.
 
         ``name`` is committed and ``latest`` names it already: a failure here (a full disk while
-        ``best`` is written) is logged, not raised, and both are tried again after the next commit."""
+        ``best`` is written) is logged, not raised, and both are tried again after the next commit.
+        ``None``: a refresh after new evaluation scores. Snapshots the evaluation hook holds are kept."""
         ret = self.config.retention
         try:
-            _faults.point("best")
-            update_best(self.output_dir, self.pattern, ret.metric, ret.mode, self.run_id, ret.other_runs)
-            _faults.point("retention")
-            removed = apply_retention(self.output_dir, self.pattern, ret.keep_last, protect=[name],
-                                      keep_best=ret.keep_best, metric=ret.metric, mode=ret.mode, run_id=self.run_id,
-                                      other_runs=ret.other_runs)
+            with self._after_lock:
+                _faults.point("best")
+                update_best(self.output_dir, self.pattern, ret.metric, ret.mode, self.run_id, ret.other_runs)
+                _faults.point("retention")
+                removed = apply_retention(self.output_dir, self.pattern, ret.keep_last,
+                                          protect=[*([name] if name else []), *self.busy()], keep_best=ret.keep_best,
+                                          metric=ret.metric, mode=ret.mode, run_id=self.run_id,
+                                          other_runs=ret.other_runs)
         except OSError as e:
             logger.warning("snapshot %s is committed, but updating 'best' / retention in %s failed (%s: %s); both "
                            "are tried again after the next commit", name, self.output_dir, type(e).__name__, e)

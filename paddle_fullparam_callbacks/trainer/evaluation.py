@@ -1,0 +1,136 @@
+"""The callback's side of the evaluation hook (``export/evaluate/``): set up, drained, finished.
+
+Only the coordinator evaluates (the hook hangs on its Committer, which commits every snapshot);
+the other ranks take part in one exchange at start, so that a wrong ``evaluate.python`` stops
+every rank alike before training. Finished evaluations are collected on the training thread at
+the next trainer event: their scores go through ``trainer.log`` as ``fullparam/eval/<key>`` (or
+into ``state.log_history`` without ``attach``), a failure is logged once, and ``best`` and
+retention are refreshed (coordinator file operations, as after a commit: no collective, so the
+ranks cannot diverge).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from ..config.schema import ConfigError, FullParamConfig
+from ..export.commit.retention import list_snapshots
+from ..export.evaluate import Evaluation, EvaluationHook, recover, resolve_python
+
+logger = logging.getLogger("paddle_fullparam_callbacks")
+PREFIX = "fullparam/eval/"
+
+
+class TrainerEvaluations:
+    """What the callback keeps of the evaluation hook: the hook (coordinator) and every result."""
+
+    def __init__(self, config: FullParamConfig):
+        self.config = config
+        self.hook: Optional[EvaluationHook] = None
+        self.python: Optional[List[str]] = None
+        self.results: List[Evaluation] = []  # every evaluation finished while this job ran (or settled at its start)
+        self.waited_s = 0.0  # how long the end of training waited for evaluations
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.evaluate.enabled
+
+    def check(self, ctx) -> None:
+        """Every rank, before the session starts: the coordinator finds ``evaluate.python``; one exchange
+        shares a failure, so that every rank raises the same ConfigError."""
+        if not self.enabled:
+            return
+        failure = None
+        if ctx.is_coordinator:
+            try:
+                self.python = resolve_python(self.config.evaluate)
+            except ConfigError as e:
+                failure = (e.key, str(e)[len(e.key) + 2:])
+        failure = ctx.all_gather_object(failure, what="evaluate.python")[ctx.coordinator]
+        if failure:
+            raise ConfigError(*failure)
+
+    def start(self, session, trainer_dir: Optional[str]) -> None:
+        """Coordinator: the hook on the session's commits, and what earlier jobs' evaluations left settled."""
+        if not self.enabled or not session.ctx.is_coordinator or self.python is None:
+            return
+        hook = EvaluationHook(self.config.evaluate, self.python, run_id=session.run_id)
+        committer = session.committer
+
+        def committed(job) -> None:
+            path = Path(job.out_dir) / job.name
+            name = job.name if job.pointers else f"{path.parent.name}/{job.name}"
+            hook.committed(name, path, job.step, in_output_dir=job.pointers)
+
+        committer.on_commit = committed
+        committer.busy = hook.busy
+        settled, alive = recover(self._snapshots(session, trainer_dir), hook)
+        for ev in settled:
+            logger.info("evaluation of %s, left by an earlier job, recorded at this start: %s", ev.name, describe(ev))
+        self.results.extend(settled)
+        if alive:
+            logger.info("evaluations an earlier job left running are watched and recorded when they end: %s",
+                        ", ".join(ev.name for ev in alive))
+        self.hook = hook
+
+    def _snapshots(self, session, trainer_dir: Optional[str]):
+        out = [(e.name, e.step, e.path, True) for e in list_snapshots(session.output_dir, session.pattern)]
+        hook = self.config.checkpoint_hook
+        if hook.enabled and trainer_dir and Path(trainer_dir).is_dir():
+            for ckpt in sorted(Path(trainer_dir).glob("checkpoint-*")):
+                snap = ckpt / hook.subdir
+                step = ckpt.name.rpartition("-")[2]
+                if snap.is_dir() and step.isdigit():
+                    out.append((f"{ckpt.name}/{hook.subdir}", int(step), snap, False))
+        return out
+
+    def drain(self, session, state, trainer=None) -> List[Evaluation]:
+        """The training thread, at an event: log what finished and refresh ``best`` and retention."""
+        if self.hook is None:
+            return []
+        done = self.hook.drain()
+        for ev in done:
+            self.results.append(ev)
+            self._log(ev, state, trainer)
+        if any(ev.in_output_dir for ev in done) and session is not None and session.is_open:
+            session.committer.after_commit(None)
+        return done
+
+    def _log(self, ev: Evaluation, state, trainer) -> None:
+        if ev.status == "ok":
+            logger.info("evaluation of %s (step %d): %s", ev.name, ev.step, describe(ev))
+            entry = {PREFIX + k: v for k, v in ev.scores.items()}
+        else:  # logged once, here; the record keeps the details
+            logger.warning("evaluation of %s (step %d) %s: %s (log: %s); training continues, the snapshot stays",
+                           ev.name, ev.step, ev.status, (ev.record or {}).get("error"), ev.path / "fullparam_eval.log")
+            entry = {PREFIX + "failed": 1.0}
+        entry[PREFIX + "snapshot_step"] = float(ev.step)
+        if trainer is not None and hasattr(trainer, "log"):
+            trainer.log(dict(entry))
+        elif state is not None and hasattr(state, "log_history"):
+            state.log_history.append({**entry, "step": getattr(state, "global_step", None)})
+
+    def finish(self, session, state, trainer=None) -> None:
+        """The end of training: the last snapshot (``evaluate.last``), then wait up to ``wait_at_end_s``."""
+        if self.hook is None:
+            return
+        self.hook.training_ended()
+        waiting = self.hook.pending()
+        if waiting:
+            logger.info("waiting up to %.0f s (evaluate.wait_at_end_s) for %d evaluation(s)",
+                        self.config.evaluate.wait_at_end_s, waiting)
+        t0 = time.perf_counter()
+        self.hook.close(self.config.evaluate.wait_at_end_s)
+        self.waited_s = time.perf_counter() - t0 if waiting else 0.0
+        self.drain(session, state, trainer)
+        self.hook = None
+
+
+def describe(ev: Evaluation) -> str:
+    record = ev.record or {}
+    if ev.status == "ok":
+        scores = ", ".join(f"{k}={v:.6g}" for k, v in list(ev.scores.items())[:8]) or "no numeric score"
+        return f"ok, {scores} ({record.get('seconds', 0):.1f} s)"
+    return f"{ev.status}: {record.get('error')}"

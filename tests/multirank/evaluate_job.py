@@ -1,0 +1,67 @@
+"""Launched on 4 ranks: pure data parallelism through the real PaddleFormers Trainer with the
+evaluation hook (``attach``): a snapshot every 2 steps, each scored by the fake evaluator the test
+wrote, ``best`` by the downstream score.
+
+    python -m paddle.distributed.launch --nproc_per_node 4 evaluate_job.py --out DIR --command CMD --python PY
+
+Only the coordinator evaluates (once per snapshot) and logs the scores through its trainer; the
+other ranks take part in the start's one exchange and nothing else. Prints ``EVAL {json}`` per rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+
+
+class Logged:
+    def __init__(self):
+        self.logs = []
+
+    def __getattr__(self, attr):
+        if attr.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(attr)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and any(k.startswith("fullparam/eval/") for k in logs):
+            self.logs.append({k: v for k, v in logs.items() if k.startswith("fullparam/eval/")})
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--command", required=True)
+    ap.add_argument("--python", required=True)
+    ns = ap.parse_args()
+
+    import paddle.distributed as dist
+
+    from paddle_fullparam_callbacks import attach
+    from paddle_fullparam_callbacks.cli.demo import TokenDataset, make_tiny_llama, make_trainer, trainer_args
+
+    logged = Logged()
+    with harness.gloo_safe_group_creation():
+        args = trainer_args("paddleformers", f"{ns.out}/trainer", 8, save_steps=100, sharding="", max_grad_norm=0)
+        trainer = make_trainer("paddleformers", make_tiny_llama(seed=0), args, [logged], train_dataset=TokenDataset(n=64))
+    cb = attach(trainer, None, overrides=[
+        f"output_dir={ns.out}/snaps", "trigger.every_n_steps=2", f"evaluate.command={ns.command}",
+        f"evaluate.python={ns.python}", "retention.metric=evaluate.score", "retention.mode=max", "retention.keep_best=1",
+        "retention.keep_last=1", "export.max_shard_size=100KB", "on_error=raise",
+    ])
+    trainer.train()
+    dist.barrier()
+    print("EVAL " + json.dumps({
+        "rank": dist.get_rank(), "world": dist.get_world_size(), "events": cb.events, "decisions": cb.decisions,
+        "errors": cb.errors, "results": [[ev.name, ev.status, ev.scores.get("score")] for ev in cb.evaluation.results],
+        "logged": logged.logs,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
