@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 SOURCES = HERE / "data" / "preset_sources.json"
 GOLDEN = HERE / "data" / "preset_golden.json"
 ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
 
 
 # ---- recording the zoo's sources (framework environments) ----------------------------------
@@ -266,15 +267,10 @@ def _hf_input(config: dict) -> dict:
 
 def _destination_hashes(dmap) -> Dict[str, str]:
     """Per destination: a hash of its shape, dtype and source slices (as ``run_zoo.mapping_digest``)."""
-    out = {}
-    for name in sorted(dmap.entries):
-        spec = dmap.spec_by_name[name]
-        slices = sorted(
-            (tuple(e.target_slice.global_offset), tuple(e.target_slice.local_shape), e.source_slice.key,
-             tuple(e.source_slice.global_offset), tuple(e.source_slice.local_shape), tuple(e.postprocess_list or ()))
-            for e in dmap.entries[name])
-        out[name] = hashlib.sha256(repr((tuple(spec.shape), spec.dtype, slices)).encode()).hexdigest()[:16]
-    return out
+    from _digest import destination_slices  # tests/
+
+    return {name: hashlib.sha256(repr(destination_slices(dmap, name)).encode()).hexdigest()[:16]
+            for name in sorted(dmap.entries)}
 
 
 class _Records(logging.Handler):

@@ -134,14 +134,9 @@ def mapping_digest(prepared) -> str:
     two mappings that move every element to the same place have the same digest."""
     import hashlib
 
-    dmap, parts = prepared.dmap, []
-    for name in sorted(dmap.entries):
-        spec = dmap.spec_by_name[name]
-        slices = sorted(
-            (tuple(e.target_slice.global_offset), tuple(e.target_slice.local_shape), e.source_slice.key,
-             tuple(e.source_slice.global_offset), tuple(e.source_slice.local_shape), tuple(e.postprocess_list or ()))
-            for e in dmap.entries[name])
-        parts.append((name, tuple(spec.shape), spec.dtype, slices))
+    from _digest import destination_slices
+
+    parts = [(name, *destination_slices(prepared.dmap, name)) for name in sorted(prepared.dmap.entries)]
     parts.append(sorted(prepared.zero_rows.items()))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
