@@ -103,3 +103,23 @@ def stop_leftovers(tmp_path: Path, name: str = "fake_eval") -> None:
                 os.killpg(call["pid"], signal.SIGKILL)
             except OSError:
                 pass
+
+
+class Recorder:
+    """Another callback of the trainer: what went through trainer.log, and a function per step."""
+
+    def __init__(self, at_step=None):
+        self.logs, self.at_step = [], at_step or {}
+
+    def __getattr__(self, attr):
+        if attr.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(attr)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and any(k.startswith("fullparam/eval/") for k in logs):
+            self.logs.append({k: v for k, v in logs.items() if k.startswith("fullparam/eval/")})
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in self.at_step:
+            self.at_step[state.global_step]()

@@ -23,7 +23,7 @@ from paddle_fullparam_callbacks.export.commit import evaluation as records
 from paddle_fullparam_callbacks.export.commit.retention import list_snapshots
 from paddle_fullparam_callbacks.plan.naming import snapshot_step_pattern
 
-from _evaluators import alive, calls, fake_evaluator, python_override, stop_leftovers
+from _evaluators import Recorder, alive, calls, fake_evaluator, python_override, stop_leftovers
 from _helpers import listing, run_cli
 
 pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
@@ -34,26 +34,6 @@ PATTERN = snapshot_step_pattern("hf-step-{step:06d}")
 def _no_process_left(tmp_path):
     yield
     stop_leftovers(tmp_path)
-
-
-class Recorder:
-    """Another callback of the trainer: what went through trainer.log, and a function per step."""
-
-    def __init__(self, at_step=None):
-        self.logs, self.at_step = [], at_step or {}
-
-    def __getattr__(self, attr):
-        if attr.startswith("on_"):
-            return lambda *a, **k: None
-        raise AttributeError(attr)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and any(k.startswith("fullparam/eval/") for k in logs):
-            self.logs.append({k: v for k, v in logs.items() if k.startswith("fullparam/eval/")})
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step in self.at_step:
-            self.at_step[state.global_step]()
 
 
 def train(tmp_path, overrides, steps, recorder=None, use_attach=True, **args):

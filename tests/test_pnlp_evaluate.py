@@ -11,29 +11,15 @@ from paddle_fullparam_callbacks import attach, verify_snapshot
 from paddle_fullparam_callbacks.cli.demo import make_tiny_llama, make_trainer, trainer_args
 from paddle_fullparam_callbacks.export.commit import evaluation as records
 
-from _evaluators import calls, fake_evaluator, stop_leftovers
+from _evaluators import Recorder, calls, fake_evaluator, stop_leftovers
 from _helpers import listing
 
 pytestmark = [pytest.mark.paddlenlp, pytest.mark.slow]
 
 
-class Logged:
-    def __init__(self):
-        self.logs = []
-
-    def __getattr__(self, attr):
-        if attr.startswith("on_"):
-            return lambda *a, **k: None
-        raise AttributeError(attr)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and any(k.startswith("fullparam/eval/") for k in logs):
-            self.logs.append({k: v for k, v in logs.items() if k.startswith("fullparam/eval/")})
-
-
 def test_paddlenlp_trainer_snapshots_are_scored_and_best_follows(tmp_path):
     command = fake_evaluator(tmp_path, {"scores": {"2": 3.0, "4": 1.0, "6": 2.0}})
-    logged = Logged()
+    logged = Recorder()
     trainer = make_trainer("paddlenlp", make_tiny_llama("paddlenlp", seed=0),
                            trainer_args("paddlenlp", str(tmp_path / "trainer"), 6, save_steps=100), [logged])
     cb = attach(trainer, None, overrides=[

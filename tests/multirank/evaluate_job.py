@@ -15,22 +15,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 import harness  # noqa: E402
-
-
-class Logged:
-    def __init__(self):
-        self.logs = []
-
-    def __getattr__(self, attr):
-        if attr.startswith("on_"):
-            return lambda *a, **k: None
-        raise AttributeError(attr)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and any(k.startswith("fullparam/eval/") for k in logs):
-            self.logs.append({k: v for k, v in logs.items() if k.startswith("fullparam/eval/")})
+from _evaluators import Recorder  # noqa: E402
 
 
 def main():
@@ -45,7 +33,7 @@ def main():
     from paddle_fullparam_callbacks import attach
     from paddle_fullparam_callbacks.cli.demo import TokenDataset, make_tiny_llama, make_trainer, trainer_args
 
-    logged = Logged()
+    logged = Recorder()
     with harness.gloo_safe_group_creation():
         args = trainer_args("paddleformers", f"{ns.out}/trainer", 8, save_steps=100, sharding="", max_grad_norm=0)
         trainer = make_trainer("paddleformers", make_tiny_llama(seed=0), args, [logged], train_dataset=TokenDataset(n=64))
