@@ -290,3 +290,44 @@ def test_a_live_holder_refreshes_its_lock(tmp_path):
     assert lock.path.stat().st_mtime > old + 900
     lock.release()
     assert not lock._thread.is_alive() or lock._stop.is_set()
+
+
+def test_a_lock_released_while_its_process_takes_another_does_not_deadlock(tmp_path):
+    """A garbage collection inside acquire_lock() runs the finalizer of an earlier session's lock, which
+    releases it on the same thread, with the registry's guard held (seen: a test suite hung there)."""
+    import gc
+    import threading
+
+    from paddle_fullparam_callbacks.export.commit import lock as lockmod
+
+    class Session:  # the owner whose collection releases its lock
+        pass
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    owner = Session()
+    first = lockmod.acquire_lock(tmp_path / "a", holder=owner)
+    done = []
+
+    def take_second():
+        real_init = lockmod.OutputDirLock.__init__
+
+        def init(self, *args, **kwargs):  # the collection happens while the guard is held
+            nonlocal owner
+            owner = None
+            gc.collect()
+            real_init(self, *args, **kwargs)
+
+        lockmod.OutputDirLock.__init__ = init
+        try:
+            done.append(lockmod.acquire_lock(tmp_path / "b"))
+        finally:
+            lockmod.OutputDirLock.__init__ = real_init
+
+    t = threading.Thread(target=take_second, daemon=True)
+    t.start()
+    t.join(timeout=20)
+    assert not t.is_alive(), "acquire_lock deadlocked on the release of a collected session's lock"
+    assert not (tmp_path / "a" / lockmod.LOCK).exists() and (tmp_path / "b" / lockmod.LOCK).exists()
+    done[0].release()
+    first.release()

@@ -47,7 +47,10 @@ class OutputDirLocked(RuntimeError):
 
 
 _held: Dict[str, "OutputDirLock"] = {}  # resolved output_dir -> the lock this process holds
-_held_guard = threading.Lock()
+# reentrant: release() also runs from a garbage collection that starts inside acquire_lock() (the
+# weakref finalizer of an earlier session's lock) and from signal handlers, on the thread that may
+# hold the guard already; a plain Lock deadlocked there (seen: a test suite hung in acquire_lock)
+_held_guard = threading.RLock()
 
 
 def _alive(pid: int) -> bool:
