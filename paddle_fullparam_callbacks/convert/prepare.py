@@ -26,7 +26,6 @@ from typing import Dict, List, Optional, Sequence
 from .. import _dtypes
 from ..config.schema import FullParamConfig
 from ..export.source import ModelSource, SnapshotInfo
-from ..models import tokenizer
 from ..models.tokenizer import TokenizerFiles
 from .checkpoints import Checkpoint, CheckpointError, detect, open_checkpoint
 from .checkpoints._trainer_files import read_json
@@ -190,7 +189,9 @@ def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
     model = build_lazy_model(cls, cfg)
     expected = {k: tuple(sw.global_shape) for k, sw in model.sharded_state_dict().items()}
     check_against_model(ckpt, expected, cls.__name__)
-    source = build_model_source(model, config)
+    files = (lora_ckpt.tokenizer_files if lora_ckpt is not None else []) or ckpt.tokenizer_files
+    saved = TokenizerFiles(files, str((lora_ckpt or ckpt).path)) if files else None
+    source = build_model_source(model, config, saved, warn_no_tokenizer=config.export.copy_tokenizer)
     if ckpt.parallel.get("tensor_parallel_degree", 1) > 1 or ckpt.parallel.get("pipeline_parallel_degree", 1) > 1:
         # the job's input embedding was not the one-process class's: a vocab-parallel embedding (tensor
         # parallel) or a pipeline's embedding stage has no padding index (PaddleFormers' Embedding.create
@@ -200,9 +201,6 @@ def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
     source.notes["converted_from"] = source.tensors.describe()
     if layers:
         lora.attach(source, config, holder, layers, lora.load_settings(path, lora_config), framework, CheckpointTensors)
-    files = (lora_ckpt.tokenizer_files if lora_ckpt is not None else []) or ckpt.tokenizer_files
-    saved = TokenizerFiles(files, str((lora_ckpt or ckpt).path)) if files else None
-    source.tokenizer = tokenizer.choose(config.export.tokenizer, saved, warn=config.export.copy_tokenizer)
     step = (lora_ckpt or ckpt).step if step is None else step
     if step is None or step < 0:
         raise ConvertError(f"{path}: no step recorded (trainer_state, checkpoint-N name): give one with --step")

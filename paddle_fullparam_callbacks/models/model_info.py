@@ -243,8 +243,13 @@ def _family(name: str) -> str:
     return re.sub(r"\.\d+\.", ".N.", name)
 
 
-def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) -> ModelSource:
+def build_model_source(model, config: FullParamConfig, tokenizer: Any = None,
+                       warn_no_tokenizer: bool = False) -> ModelSource:
     """Everything the export layer needs, from the (unwrapped) model; validates the mapping names.
+
+    ``tokenizer``: the trainer's (or the checkpoint's saved files); ``export.tokenizer``'s files win
+    (``models/tokenizer.py``). ``warn_no_tokenizer``: say once that snapshots will have none (the
+    coordinator, at start).
 
     The mapping is resolved here from this rank's tensors (so that a bad ``export.aoa`` fails at
     once), and again when the export plans, from every mesh rank's tensors (a pipeline stage holds
@@ -309,7 +314,7 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None) ->
         mapping_for=mapping_for,
         hf_config=hf_config if resolved else (hf_config_dict(model, tied) if hf else None),
         generation_config=generation_config_dict(model) if hf else None,
-        tokenizer=tokenizers.choose(config.export.tokenizer, tokenizer, warn=False),  # export.tokenizer's files win
+        tokenizer=tokenizers.choose(config.export.tokenizer, tokenizer, warn_no_tokenizer),
         framework=framework_of(model),
         check_mapping=check,
         padding_rows=padding,

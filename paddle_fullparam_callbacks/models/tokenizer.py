@@ -64,8 +64,6 @@ def choose(config_path: Optional[str], trainer_tokenizer: Any, warn: bool) -> An
     """The tokenizer a snapshot is given: export.tokenizer's files, else the trainer's, else None (with
     the warning, where ``warn``: once per job, at start)."""
     if config_path:
-        if isinstance(trainer_tokenizer, TokenizerFiles) and trainer_tokenizer.origin == str(config_path):
-            return trainer_tokenizer
         return TokenizerFiles.from_directory(config_path)
     if trainer_tokenizer is None and warn:
         logger.warning("%s", NO_TOKENIZER)

@@ -25,7 +25,6 @@ from ..config.schema import EVALUATE_METRIC_PREFIX, FullParamConfig
 from ..export.session.session import ExportSession
 from ..export.source import ExportError, SnapshotInfo
 from ..models import processor as processors
-from ..models import tokenizer as tokenizers
 from ..models.model_info import build_model_source, unwrap_model
 from ..plan.decisions import Decision, decide
 from .evaluation import TrainerEvaluations
@@ -104,7 +103,6 @@ class FullParamExportCallback:
         tokenizer = processors.with_processor(tokenizer, self.processing_class)
         if warn and tokenizer is not None and not exp.tokenizer and processors.missing_processor(unwrap_model(model), tokenizer):
             logger.warning("%s", processors.NO_PROCESSOR)
-        tokenizer = tokenizers.choose(exp.tokenizer, tokenizer, warn)  # before anything is made on disk
         self.evaluation.check(ctx)  # evaluate.python, before anything is made on disk
         session = ExportSession(self.config, self._output_dir(args), fn=self.fn, ctx=ctx)
         # the checkpoint hook commits into <trainer output_dir>/checkpoint-N/: every rank must see it too
@@ -112,7 +110,7 @@ class FullParamExportCallback:
         shared = [("checkpoint_hook.enabled", Path(trainer_dir))] if self.config.checkpoint_hook.enabled and trainer_dir else []
         session.start(resume=bool(getattr(state, "global_step", 0)), shared=shared)
         try:
-            self._source = build_model_source(model, self.config, tokenizer)
+            self._source = build_model_source(model, self.config, tokenizer, warn_no_tokenizer=warn)
             session.prepare(self._source)
         except BaseException:  # refused at start: the directory is released (and removed, if it made it)
             session.close()
