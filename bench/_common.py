@@ -273,6 +273,12 @@ def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def write_result(path: Path, result: dict) -> None:
+    """A benchmark's result, stamped with the machine, the package's commit and the date."""
+    result.update(machine=machine_info(), package_commit=git_commit(), date=now_iso())
+    write_json(path, result)
+
+
 def run_child(argv: List[str], timeout: float = 900) -> dict:
     """Run ``python argv...`` in a fresh process; its last stdout line must be a JSON object."""
     t0 = time.perf_counter()

@@ -130,14 +130,13 @@ def main():
         "verified": all(r["verified"] for v in VARIANTS for r in runs[v]),
         "targets": {"stall_ratio": "<= 0.35"},
         "met": {"stall_ratio": ratio <= 0.35},
-        "machine": C.machine_info(), "package_commit": C.git_commit(), "date": C.now_iso(),
         "host_ring_bytes": runs["async"][0].get("host_ring_bytes"),
         "notes": ["training is time.sleep between exports (GPU-job-like idle host CPU); the stall of a "
                   "background export includes any wait a later call has for it",
                   "async keeps a pre-faulted host staging ring of min(max_pending_bytes, snapshot bytes) for the "
                   "job's lifetime; it is counted in peak_extra_rss_fraction.async"],
     }
-    C.write_json(RESULT_PATH, result)
+    C.write_result(RESULT_PATH, result)
     print(f"\nstall per export: sync {stall['sync']:.2f} s, async {stall['async']:.2f} s -> stall_ratio {ratio:.3f} "
           f"(target <= 0.35: {'met' if ratio <= 0.35 else 'NOT met'}); export seconds sync {total['sync']:.2f}, "
           f"async {total['async']:.2f}; peak extra RSS sync {rss['sync'] / model_bytes:.2f}x, async "

@@ -185,12 +185,11 @@ def main():
                 "extra_stall_seconds_on_vs_off": extra_stall < 0.05 * stall["off"],
                 "training_slowdown_vs_off.on": slowdown["on"] <= 1.10},
         "all_runs": runs, "quiet_before_runs": quiet,
-        "machine": C.machine_info(), "package_commit": C.git_commit(), "date": C.now_iso(),
         "notes": ["stall = export() + every drain() until the next export, on the training thread",
                   "training = float32 matrix products on every core; the evaluator hashes the shards, then "
                   "computes a fixed amount of CPU time, in its own process at evaluate.nice"],
     }
-    C.write_json(RESULT_PATH, result)
+    C.write_result(RESULT_PATH, result)
     print(f"\nthe hook's own time on the training thread per export: median {hook_cost['on'] * 1e3:.3f} ms, max "
           f"{hook_cost_max['on'] * 1e3:.3f} ms")
     print(f"stall per export: off {stall['off']:.3f} s, on {stall['on']:.3f} s (extra {extra_stall * 1e3:+.1f} ms), "

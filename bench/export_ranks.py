@@ -362,10 +362,7 @@ def main(argv=None) -> int:
                     "f.flush(); os.fsync",
     }
     out["scaling_model"] = build_scaling_model(out)
-    out["machine"] = C.machine_info()
-    out["package_commit"] = C.git_commit()
-    out["date"] = C.now_iso()
-    C.write_json(args.result, out)
+    C.write_result(args.result, out)
     for regime, r in regimes_out.items():
         v = r["variants"]
         print(f"[{regime}] {r['bytes_total'] / 1e9:.3f} GB over {NPROC} ranks: raw {v['raw']['aggregate_gb_s']} GB/s, "

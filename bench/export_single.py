@@ -368,10 +368,7 @@ def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float) 
         "foreign_fraction_of_kept_runs": {f"{g}.{v}": [r["cpu"]["foreign_fraction"] for r in rs] for (g, v), rs in runs.items()},
     }
     out["child_build_seconds_median"] = C.median([r["build_seconds"] for rs in runs.values() for r in rs])
-    out["machine"] = C.machine_info()
-    out["package_commit"] = C.git_commit()
-    out["date"] = C.now_iso()
-    C.write_json(result_path, out)
+    C.write_result(result_path, out)
     return out
 
 

@@ -138,10 +138,7 @@ def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float) 
         if "merged" in sec:
             out["met"][f"peak_extra_rss.{regime}"] = res["peak_extra_rss_bytes"]["merged"] <= first["budget"]
         out["regimes"][regime] = res
-    out["machine"] = C.machine_info()
-    out["package_commit"] = C.git_commit()
-    out["date"] = C.now_iso()
-    C.write_json(result_path, out)
+    C.write_result(result_path, out)
     return out
 
 

@@ -59,7 +59,7 @@ def main() -> int:
             rows["two_nodes_2x2_ranks"] += _ranks(two)
             for p in [work / f"one{rep}", work / f"two{rep}", *nodes]:
                 shutil.rmtree(p, ignore_errors=True)
-    result = {"benchmark": "visibility", "machine": C.machine_info(), "commit": C.git_commit(), "date": C.now_iso(),
+    result = {"benchmark": "visibility",
               "reps": ns.reps}
     for name, ranks in rows.items():
         files = [r["visibility_files_s"] for r in ranks]
@@ -70,7 +70,7 @@ def main() -> int:
                         "exchange_ms_max": round(1e3 * max(exchange), 2)}
     result["notes"] = ["cost of the proof on each rank, once per job at on_train_begin; the token file is written "
                        "by the coordinator inside its start checks (not timed separately: one small fsynced file)"]
-    C.write_json(RESULT_PATH, result)
+    C.write_result(RESULT_PATH, result)
     print({k: v for k, v in result.items() if k not in ("machine",)})
     return 0
 
