@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import Iterator, Tuple
 
 from .arrays import cast_for_export, to_paddle
-from .device import dtype_of, host_array, on_device
-from .mapping import MappingError
+from .device import dtype_of, host_array
 
 
 def run_paddle_full_param(sharded_state_dict, aoa_config, export_dtype: str = "keep", transforms=None,
@@ -17,18 +16,12 @@ def run_paddle_full_param(sharded_state_dict, aoa_config, export_dtype: str = "k
     """``transforms`` (source key -> fn of the local slice, a LoRA merge): applied to every such slice
     before ``full_param`` runs, so all transformed slices are held at once (a cross-check, not the
     bounded path of the builtin assemblers). Paddle's ``full_param`` assembles where the parameters
-    are, so parameters on an accelerator are refused: it would spend device memory without bound."""
+    are: parameters on an accelerator are refused when the export is planned (``planning.py``)."""
     import copy
 
     import paddle
     from paddle.distributed.flex_checkpoint.dcp.full_param import full_param
 
-    on_acc = sorted(k for k, sw in sharded_state_dict.items() if on_device(sw.local_tensor))
-    if on_acc:
-        raise MappingError(f"assembler=paddle runs Paddle's own full_param, which assembles on the device without "
-                           f"a bound (export.device_memory_budget); {len(on_acc)} parameter(s) are on "
-                           f"{sharded_state_dict[on_acc[0]].local_tensor.place} (e.g. {on_acc[0]!r}): use "
-                           "assembler=builtin")
     with paddle.no_grad():
         if transforms:
             sharded_state_dict = dict(sharded_state_dict)
