@@ -30,6 +30,7 @@ import numpy as np
 from .. import _dtypes
 
 CHUNK_BYTES = 16 * 2**20  # bytes per device-to-host copy: large enough to run at copy speed
+ALIGN = 512  # device allocators round each allocation up (CUDA's caching allocator to 512 bytes)
 
 
 class DeviceBudgetError(RuntimeError):
@@ -106,13 +107,13 @@ class DeviceBoundary:
                 arr = arr if arr.dtype == storage else arr.view(storage)
             return self._host_cast(arr, dtype, cast_to), cast_to if self._casts(dtype, cast_to) else dtype
         want = cast_to if self._casts(dtype, cast_to) else dtype
-        itemsize_out = _dtypes.lookup(want).itemsize
-        out = np.empty(tuple(tensor.shape), dtype=_dtypes.lookup(want).np_storage)
-        device_cast = want != dtype and self._fits(itemsize_out)
+        device_cast = want != dtype and self._fits(_dtypes.lookup(want).itemsize)
+        moved = want if device_cast else dtype  # what crosses to the host
+        out = np.empty(tuple(tensor.shape), dtype=_dtypes.lookup(moved).np_storage)
         self._copy_out(tensor, out, want if device_cast else None)
-        if want != dtype and not device_cast:
+        if moved != want:
             self.stats.host_casts += 1
-            return cast_array(out.view(_dtypes.lookup(dtype).np_storage), dtype, want), want
+            return cast_array(out, dtype, want), want
         return out, want
 
     def _casts(self, dtype: str, cast_to: Optional[str]) -> bool:
@@ -126,9 +127,13 @@ class DeviceBoundary:
         self.stats.host_casts += 1
         return cast_array(arr, dtype, cast_to)
 
+    def _usable(self) -> int:
+        """Bytes one device allocation may ask for so that, rounded up by the allocator, it fits the budget."""
+        return (min(self.budget, self.chunk_bytes) // ALIGN) * ALIGN
+
     def _fits(self, itemsize_out: int) -> bool:
-        """A device-side cast needs at least one chunk of the result within the budget."""
-        return self.budget >= min(self.chunk_bytes, 4096 * itemsize_out)
+        """A device-side cast needs at least one chunk of the result (a few thousand elements) within the budget."""
+        return self._usable() >= min(self.chunk_bytes, 4096 * itemsize_out)
 
     # ---- the copy -------------------------------------------------------------------------
     def _copy_out(self, tensor, out: np.ndarray, cast_to: Optional[str]) -> None:
@@ -149,7 +154,7 @@ class DeviceBoundary:
         """A contiguous 1-D device tensor into ``out`` (1-D host), chunk by chunk: each chunk a view."""
         n = int(flat.shape[0])
         item = _dtypes.lookup(cast_to or dtype_of(flat)).itemsize
-        step = max(1, (min(self.chunk_bytes, self.budget) if cast_to else self.chunk_bytes) // item)
+        step = max(1, (self._usable() if cast_to else self.chunk_bytes) // item)
         for start in range(0, n, step):
             piece = flat[start:min(n, start + step)]
             if cast_to:
@@ -160,42 +165,46 @@ class DeviceBoundary:
             del piece
 
     def _copy_strided(self, tensor, out: np.ndarray, cast_to: Optional[str]) -> None:
-        """A non-contiguous slice: row blocks made contiguous on the device, each within the budget."""
-        rows = int(tensor.shape[0]) if tensor.ndim else 1
-        row_bytes = max(1, math.prod(tensor.shape[1:]) * _dtypes.lookup(dtype_of(tensor)).itemsize)
+        """A non-contiguous slice (rare: a view a framework made). Paddle's ``numpy()`` copies a view to
+        the host with its strides, without device memory; where it cannot, row blocks are made
+        contiguous on the device, each within the budget. A cast then runs on the host."""
+        try:
+            values = tensor.numpy()
+        except (RuntimeError, ValueError, OSError):
+            values = None
+        if values is None:
+            rows = int(tensor.shape[0]) if tensor.ndim else 1
+            row_bytes = max(1, math.prod(tensor.shape[1:]) * _dtypes.lookup(dtype_of(tensor)).itemsize)
+            per = min(rows, ((self.budget // ALIGN) * ALIGN) // row_bytes)  # one allocation, rounded up, within the budget
+            if per < 1:
+                raise DeviceBudgetError(
+                    f"a slice {list(tensor.shape)} of dtype {dtype_of(tensor)} is not contiguous on the device and "
+                    f"cannot be copied as it is: making one row contiguous needs {row_bytes} bytes of device memory, "
+                    f"more than export.device_memory_budget ({self.budget}); raise the budget")
+            values = np.empty(tuple(tensor.shape), dtype=_dtypes.lookup(dtype_of(tensor)).np_storage)
+            for start in range(0, rows, per):
+                stop = min(rows, start + per)
+                self._note_device((stop - start) * row_bytes)
+                values[start:stop] = _host_values(tensor[start:stop].contiguous()).reshape(values[start:stop].shape)
+        storage = np.dtype(_dtypes.lookup(dtype_of(tensor)).np_storage)
+        values = values if values.dtype == storage else values.view(storage)
         if cast_to:
-            row_bytes += max(1, math.prod(tensor.shape[1:]) * _dtypes.lookup(cast_to).itemsize)
-        per = min(rows, self.budget // row_bytes)
-        if per < 1:
-            raise DeviceBudgetError(
-                f"a slice {list(tensor.shape)} of dtype {dtype_of(tensor)} is not contiguous on the device: making one "
-                f"row contiguous needs {row_bytes} bytes of device memory, more than export.device_memory_budget "
-                f"({self.budget}); raise the budget or export from contiguous parameters")
-        for start in range(0, rows, per):
-            stop = min(rows, start + per)
-            self._note_device((stop - start) * row_bytes)
-            block = tensor[start:stop].contiguous()
-            if cast_to:
-                block = block.astype(cast_to)
-                self.stats.device_casts += 1
-            out[start:stop] = _host_values(block).reshape(out[start:stop].shape)
-            del block
+            from .arrays import cast_array
+
+            self.stats.host_casts += 1
+            values = cast_array(values, dtype_of(tensor), cast_to)
+        out[...] = values.reshape(out.shape)
 
     def _note_device(self, nbytes: int) -> None:
         self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, nbytes)
 
 
 def _host_values(piece) -> np.ndarray:
-    """A (contiguous) device tensor's values as a host array of its storage dtype: one device-to-host copy."""
-    import paddle
-
-    host = piece.cpu()
-    arr = _cpu_view(host)
-    if arr is None:
-        arr = host.numpy()
-        if dtype_of(piece) == "bfloat16" and arr.dtype != np.uint16:
-            arr = host.view(paddle.uint16).numpy()
-    return arr
+    """A contiguous device tensor's values as a host array of its storage dtype: one device-to-host copy
+    straight into numpy's memory (no device memory, no intermediate host tensor)."""
+    arr = piece.numpy()
+    storage = np.dtype(_dtypes.lookup(dtype_of(piece)).np_storage)
+    return arr if arr.dtype == storage else arr.view(storage)
 
 
 def host_array(tensor) -> np.ndarray:
