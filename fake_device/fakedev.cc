@@ -39,14 +39,18 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <chrono>
 #include <complex>
+#include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -102,6 +106,14 @@ const Config& config() {
     return c;
   }();
   return cfg;
+}
+
+// The timeout may be changed at run time (fakedev_set_comm_timeout, for tests of the timeout).
+std::atomic<double> g_timeout_s{-1.0};
+
+double timeout_s() {
+  const double t = g_timeout_s.load();
+  return t > 0 ? t : config().timeout_s;
 }
 
 void debug(const char* fmt, ...) {
@@ -326,8 +338,7 @@ C_Status flag_false(const C_Device, bool* supported) {
 // Collectives proceed in steps: each rank copies up to buffer_bytes of its input into its own
 // slot, all ranks meet at a barrier, each reads what it needs from the slots (all ranks reduce in
 // rank order, so every rank computes bit-identical results), and all meet again before the slots
-// are reused. Send/recv use a one-chunk mailbox per ordered pair; group_start/group_end queue them
-// and drive all of them at group_end, so a ring of sends and receives cannot deadlock.
+// are reused. Send/recv use a one-chunk mailbox per ordered pair of ranks (see "Point to point").
 
 constexpr char kIdMagic[8] = {'F', 'A', 'K', 'E', 'D', 'E', 'V', '1'};
 constexpr uint64_t kSegmentMagic = 0x46414b4544455631ULL;  // "FAKEDEV1"
@@ -443,27 +454,32 @@ C_Status give_up(C_CCLComm c, const char* what, const char* why) {
 }
 
 // Checks done while waiting: a peer gave up, a peer process is gone, the deadline passed.
-C_Status check_waiting(C_CCLComm c, double deadline, const char* what) {
-  if (c->hdr->aborted.load() != 0) return give_up(c, what, "another rank of this communicator failed first");
+// What ends a wait early: a peer gave up, a peer process is gone (checked once a second), the
+// deadline passed. Empty if none.
+std::string wait_problem(C_CCLComm c, double deadline, double* next_peer_check) {
+  if (c->hdr->aborted.load() != 0) return "another rank of this communicator failed first";
   const double t = now_s();
-  if (t >= c->next_peer_check) {
-    c->next_peer_check = t + 1.0;
+  if (t >= *next_peer_check) {
+    *next_peer_check = t + 1.0;
     for (size_t r = 0; r < c->nranks; ++r) {
       const int pid = c->hdr->pids[r].load();
       if (pid != 0 && !pid_alive(pid)) {
-        char why[128];
-        snprintf(why, sizeof(why), "rank %zu (pid %d) exited", r, pid);
-        return give_up(c, what, why);
+        return "rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") exited";
       }
     }
   }
   if (t >= deadline) {
     char why[160];
     snprintf(why, sizeof(why), "its peers did not arrive within %.0f s (FAKEDEV_COMM_TIMEOUT_S)",
-             config().timeout_s);
-    return give_up(c, what, why);
+             timeout_s());
+    return why;
   }
-  return C_SUCCESS;
+  return "";
+}
+
+C_Status check_waiting(C_CCLComm c, double deadline, const char* what) {
+  const std::string why = wait_problem(c, deadline, &c->next_peer_check);
+  return why.empty() ? C_SUCCESS : give_up(c, what, why.c_str());
 }
 
 // Blocks while *word == value: a short spin (peers usually arrive within microseconds), then
@@ -474,7 +490,7 @@ C_Status wait_while(C_CCLComm c, std::atomic<uint32_t>* word, uint32_t value, co
     if (word->load(std::memory_order_acquire) != value) return C_SUCCESS;
     if (i >= 16) sched_yield();
   }
-  const double deadline = now_s() + config().timeout_s;
+  const double deadline = now_s() + timeout_s();
   const timespec slice{0, 50 * 1000 * 1000};
   while (word->load(std::memory_order_acquire) == value) {
     futex(word, FUTEX_WAIT, value, &slice);
@@ -700,9 +716,12 @@ C_Status get_unique_id(C_CCLRootId* root) {
   return C_SUCCESS;
 }
 
+void drain_sends(C_CCLComm c);
+
 C_Status destroy_comm(C_CCLComm c) {
   if (c == nullptr) return C_SUCCESS;
   debug("destroy %s (rank %zu)", c->name.c_str(), c->rank);
+  drain_sends(c);
   if (c->base != nullptr) munmap(c->base, c->map_bytes);
   delete c;
   return C_SUCCESS;
@@ -728,7 +747,7 @@ C_Status comm_init_rank(size_t nranks, C_CCLRootId* root, size_t rank, C_CCLComm
   c->buffer_bytes = static_cast<size_t>(id.buffer_kb) << 10;  // rank 0's choice, for every rank
   c->channel_bytes = std::max<size_t>(c->buffer_bytes / 4, 1024);
   c->map_bytes = segment_bytes(nranks, c->buffer_bytes, c->channel_bytes);
-  const double deadline = now_s() + config().timeout_s;
+  const double deadline = now_s() + timeout_s();
   const char* what = "communicator creation";
 
   int fd = -1;
@@ -759,7 +778,7 @@ C_Status comm_init_rank(size_t nranks, C_CCLRootId* root, size_t rank, C_CCLComm
       }
       if (now_s() >= deadline) {
         error("rank %zu of %zu gave up in %s: rank 0 did not create /dev/shm%s within %.0f s "
-              "(FAKEDEV_COMM_TIMEOUT_S)", rank, nranks, what, c->name.c_str(), config().timeout_s);
+              "(FAKEDEV_COMM_TIMEOUT_S)", rank, nranks, what, c->name.c_str(), timeout_s());
         return C_ERROR;
       }
       sleep_us(pause);
@@ -936,24 +955,35 @@ C_Status reduce_scatter(void* send, void* recv, size_t count, C_DataType t, C_CC
 // Point to point
 // ------------------------------------------------------------------------------------------
 
-struct P2POp {
+// A send never waits for its receiver (as with NCCL, whose sends are queued on a stream): what
+// the mailbox does not take at once is copied and handed to one background thread per process,
+// which pushes it chunk by chunk, in order per (communicator, destination). A receive blocks
+// until its bytes arrived (Paddle reads the buffer as soon as the call returns: every event of
+// this device is complete). So any pattern of sends and receives that NCCL completes completes
+// here, batch_isend_irecv rings included, whether or not Paddle brackets it with group calls.
+
+// Progress of one message through the mailbox of one ordered pair of ranks.
+struct Transfer {
   C_CCLComm comm;
-  bool is_send;
   size_t peer;
+  bool is_send;
   uint8_t* buf;
   size_t bytes;
   size_t done = 0;
   bool started = false;  // a zero-byte message still moves one (empty) chunk
   bool finished() const { return started && done >= bytes; }
 
-  // One step if possible without waiting; returns whether anything moved.
-  bool progress(C_Status* status) {
+  Channel* channel() const { return is_send ? comm->channel(comm->rank, peer) : comm->channel(peer, comm->rank); }
+
+  // One chunk, if the mailbox allows it now; returns whether one moved. Sets *status on a
+  // size mismatch.
+  bool step(C_Status* status) {
     if (finished()) return false;
     C_CCLComm c = comm;
+    Channel* ch = channel();
     if (is_send) {
-      Channel* ch = c->channel(c->rank, peer);
       const uint32_t posted = ch->posted.load(std::memory_order_relaxed);
-      if (ch->taken.load(std::memory_order_acquire) != posted) return false;  // mailbox full
+      if (ch->taken.load(std::memory_order_acquire) != posted) return false;  // still full
       const size_t n = std::min(c->channel_bytes, bytes - done);
       memcpy(c->channel_buffer(c->rank, peer), buf + done, n);
       ch->bytes = n;
@@ -961,9 +991,8 @@ struct P2POp {
       wake_all(&ch->posted);
       done += n;
     } else {
-      Channel* ch = c->channel(peer, c->rank);
       const uint32_t taken = ch->taken.load(std::memory_order_relaxed);
-      if (ch->posted.load(std::memory_order_acquire) == taken) return false;  // mailbox empty
+      if (ch->posted.load(std::memory_order_acquire) == taken) return false;  // still empty
       const size_t n = ch->bytes;
       if (n > bytes - done) {
         *status = give_up(c, "recv", "the sender sent more bytes than this receive expects");
@@ -978,46 +1007,159 @@ struct P2POp {
     return true;
   }
 
-  // The futex word and value that mean "still blocked" for this operation.
+  // The futex word, and its value while this transfer cannot move.
   std::atomic<uint32_t>* blocked_on(uint32_t* value) const {
-    C_CCLComm c = comm;
+    Channel* ch = channel();
     if (is_send) {
-      Channel* ch = c->channel(c->rank, peer);
-      *value = ch->posted.load() - 1;  // blocked while taken == posted - 1
+      *value = ch->posted.load() - 1;  // full while taken == posted - 1
       return &ch->taken;
     }
-    Channel* ch = c->channel(peer, c->rank);
-    *value = ch->taken.load();  // blocked while posted == taken
+    *value = ch->taken.load();  // empty while posted == taken
     return &ch->posted;
   }
 };
 
-// Drives a set of operations to completion. One blocked operation waits on its futex word;
-// several wait with short sleeps (50 us doubling to 5 ms), so nobody spins a core.
-C_Status run_p2p(std::vector<P2POp>& ops) {
-  if (ops.empty()) return C_SUCCESS;
-  const double deadline = now_s() + config().timeout_s;
+// ---- the sender thread ----
+
+struct PendingSend {
+  Transfer t;
+  std::unique_ptr<uint8_t[]> copy;  // the bytes not yet pushed (t.buf points into it)
+  double deadline;
+  double next_peer_check;
+};
+
+// Allocated once and never freed: the detached thread may still wait on them while the process
+// exits, and destroying a condition variable that has a waiter hangs in glibc.
+struct SendQueue {
+  std::mutex mu;
+  std::condition_variable cv;  // a send was queued, or the queue of a communicator drained
+  std::list<PendingSend> pending;  // in submission order
+  bool thread_running = false;
+};
+SendQueue& queue() {
+  static SendQueue* q = new SendQueue;
+  return *q;
+}
+
+bool pending_for(C_CCLComm c, size_t dst) {
+  for (const PendingSend& p : queue().pending) {
+    if (p.t.comm == c && (dst == SIZE_MAX || p.t.peer == dst)) return true;
+  }
+  return false;
+}
+
+// Pushes the oldest pending message of every (communicator, destination) as far as the mailboxes
+// allow. Drops the messages of communicators that failed. Called with queue().mu held.
+bool progress_pending() {
+  bool moved = false;
+  std::vector<std::pair<C_CCLComm, size_t>> heads;
+  for (auto it = queue().pending.begin(); it != queue().pending.end();) {
+    const auto key = std::make_pair(it->t.comm, it->t.peer);
+    if (std::find(heads.begin(), heads.end(), key) != heads.end()) {
+      ++it;  // an older message to the same rank goes first
+      continue;
+    }
+    heads.push_back(key);
+    C_Status status = C_SUCCESS;
+    while (it->t.step(&status)) moved = true;
+    if (it->t.finished()) {
+      it = queue().pending.erase(it);
+      queue().cv.notify_all();
+      continue;
+    }
+    const std::string why = wait_problem(it->t.comm, it->deadline, &it->next_peer_check);
+    if (!why.empty()) {
+      give_up(it->t.comm, "send", why.c_str());
+      C_CCLComm failed = it->t.comm;
+      queue().pending.remove_if([failed](const PendingSend& p) { return p.t.comm == failed; });
+      queue().cv.notify_all();
+      return true;  // the list changed: start over
+    }
+    ++it;
+  }
+  return moved;
+}
+
+void sender_thread() {
+  std::unique_lock<std::mutex> lock(queue().mu);
+  long pause = 20;
+  for (;;) {
+    queue().cv.wait(lock, [] { return !queue().pending.empty(); });
+    if (progress_pending()) {
+      pause = 20;
+      continue;
+    }
+    // blocked: the receivers are not there yet. Sleep a little (50 us doubling to 2 ms).
+    lock.unlock();
+    sleep_us(pause);
+    pause = std::min(pause * 2, 2000L);
+    lock.lock();
+  }
+}
+
+C_Status send_bytes(C_CCLComm c, size_t dst, const void* buf, size_t bytes) {
+  if (dst >= c->nranks) return give_up(c, "send", "peer out of range");
+  if (c->hdr->aborted.load() != 0) return give_up(c, "send", "another rank of this communicator failed first");
+  std::lock_guard<std::mutex> lock(queue().mu);
+  Transfer t{c, dst, true, static_cast<uint8_t*>(const_cast<void*>(buf)), bytes};
+  C_Status status = C_SUCCESS;
+  if (!pending_for(c, dst)) {
+    while (t.step(&status)) {
+    }
+    if (t.finished()) return C_SUCCESS;
+  }
+  // the rest waits for the receiver: keep a copy, the caller may reuse its buffer
+  PendingSend p{t, std::make_unique<uint8_t[]>(std::max<size_t>(bytes - t.done, 1)), 0, 0};
+  memcpy(p.copy.get(), static_cast<const uint8_t*>(buf) + t.done, bytes - t.done);
+  p.t.buf = p.copy.get();  // what is left, from its first byte
+  p.t.bytes = bytes - t.done;
+  p.t.done = 0;
+  p.deadline = now_s() + timeout_s();
+  queue().pending.push_back(std::move(p));
+  if (!queue().thread_running) {
+    std::thread(sender_thread).detach();
+    queue().thread_running = true;
+  }
+  queue().cv.notify_all();
+  return C_SUCCESS;
+}
+
+// Waits until this communicator's queued sends are gone (before its memory is unmapped).
+void drain_sends(C_CCLComm c) {
+  std::unique_lock<std::mutex> lock(queue().mu);
+  const double deadline = now_s() + timeout_s();
+  while (pending_for(c, SIZE_MAX) && now_s() < deadline) {
+    queue().cv.wait_for(lock, std::chrono::milliseconds(100));
+  }
+  queue().pending.remove_if([c](const PendingSend& p) { return p.t.comm == c; });
+}
+
+// ---- receives ----
+
+// Completes the receives together. One blocked receive waits on its futex word; several wait with
+// short sleeps (50 us doubling to 5 ms), so nobody spins a core.
+C_Status run_recvs(std::vector<Transfer>& recvs) {
+  if (recvs.empty()) return C_SUCCESS;
+  const double deadline = now_s() + timeout_s();
   long pause = 50;
   for (;;) {
     bool moved = false, all_done = true;
     C_Status status = C_SUCCESS;
-    for (P2POp& op : ops) {
-      while (op.progress(&status)) moved = true;
+    Transfer* blocked = nullptr;
+    size_t pending = 0;
+    for (Transfer& t : recvs) {
+      while (t.step(&status)) moved = true;
       if (status != C_SUCCESS) return status;
-      all_done = all_done && op.finished();
+      if (!t.finished()) {
+        all_done = false;
+        blocked = &t;
+        ++pending;
+      }
     }
     if (all_done) return C_SUCCESS;
     if (moved) {
       pause = 50;
       continue;
-    }
-    P2POp* blocked = nullptr;
-    size_t pending = 0;
-    for (P2POp& op : ops) {
-      if (!op.finished()) {
-        blocked = &op;
-        ++pending;
-      }
     }
     if (pending == 1) {
       uint32_t value;
@@ -1028,16 +1170,15 @@ C_Status run_p2p(std::vector<P2POp>& ops) {
       sleep_us(pause);
       pause = std::min(pause * 2, 5000L);
     }
-    if (check_waiting(blocked->comm, deadline, blocked->is_send ? "send" : "recv") != C_SUCCESS) {
-      return C_ERROR;
-    }
+    if (check_waiting(blocked->comm, deadline, "recv") != C_SUCCESS) return C_ERROR;
   }
 }
 
-// group_start/group_end: send and recv between them are queued and run together at group_end
-// (collectives run at once: every rank issues them in the same order anyway).
+// group_start/group_end: receives between them complete together at group_end, so that a group
+// whose receives come before its sends (in any order) works; sends go out at once anyway.
+// Collectives run at once: every rank issues them in the same order.
 thread_local int t_group_depth = 0;
-thread_local std::vector<P2POp> t_group_ops;
+thread_local std::vector<Transfer> t_group_recvs;
 
 C_Status group_start() {
   ++t_group_depth;
@@ -1047,31 +1188,32 @@ C_Status group_start() {
 C_Status group_end() {
   if (t_group_depth == 0) return C_ERROR;
   if (--t_group_depth > 0) return C_SUCCESS;
-  std::vector<P2POp> ops;
-  ops.swap(t_group_ops);
-  return run_p2p(ops);
+  std::vector<Transfer> recvs;
+  recvs.swap(t_group_recvs);
+  return run_recvs(recvs);
 }
 
-C_Status submit(P2POp op) {
-  if (op.peer >= op.comm->nranks) return give_up(op.comm, op.is_send ? "send" : "recv", "peer out of range");
+C_Status recv_bytes(C_CCLComm c, size_t src, void* buf, size_t bytes) {
+  if (src >= c->nranks) return give_up(c, "recv", "peer out of range");
+  Transfer t{c, src, false, static_cast<uint8_t*>(buf), bytes};
   if (t_group_depth > 0) {
-    t_group_ops.push_back(op);
+    t_group_recvs.push_back(t);
     return C_SUCCESS;
   }
-  std::vector<P2POp> ops{op};
-  return run_p2p(ops);
+  std::vector<Transfer> one{t};
+  return run_recvs(one);
 }
 
 C_Status send(void* buf, size_t count, C_DataType t, size_t dst, C_CCLComm c, C_Stream) {
   if (dtype_size(t) == 0) return bad_type(c, "send", t);
   debug("send %zu x %zu bytes to %zu", count, dtype_size(t), dst);
-  return submit(P2POp{c, true, dst, static_cast<uint8_t*>(buf), count * dtype_size(t)});
+  return send_bytes(c, dst, buf, count * dtype_size(t));
 }
 
 C_Status recv(void* buf, size_t count, C_DataType t, size_t src, C_CCLComm c, C_Stream) {
   if (dtype_size(t) == 0) return bad_type(c, "recv", t);
   debug("recv %zu x %zu bytes from %zu", count, dtype_size(t), src);
-  return submit(P2POp{c, false, src, static_cast<uint8_t*>(buf), count * dtype_size(t)});
+  return recv_bytes(c, src, buf, count * dtype_size(t));
 }
 
 C_Status all_to_all(const void** send_buf, const size_t* send_count, const C_DataType* send_dtype,
@@ -1079,7 +1221,7 @@ C_Status all_to_all(const void** send_buf, const size_t* send_count, const C_Dat
                     size_t rank, size_t nranks, C_CCLComm c, C_Stream) {
   if (rank != c->rank || nranks != c->nranks) return give_up(c, "all_to_all", "rank/size mismatch");
   debug("all_to_all over %zu ranks", nranks);
-  std::vector<P2POp> ops;
+  std::vector<Transfer> recvs;
   for (size_t r = 0; r < nranks; ++r) {
     const size_t sb = send_count[r] * dtype_size(send_dtype[r]);
     const size_t rb = recv_count[r] * dtype_size(recv_dtype[r]);
@@ -1088,20 +1230,22 @@ C_Status all_to_all(const void** send_buf, const size_t* send_count, const C_Dat
       if (sb != 0) memmove(recv_buf[r], send_buf[r], sb);
       continue;
     }
-    ops.push_back(P2POp{c, true, r, static_cast<uint8_t*>(const_cast<void*>(send_buf[r])), sb});
-    ops.push_back(P2POp{c, false, r, static_cast<uint8_t*>(recv_buf[r]), rb});
+    if (send_bytes(c, r, send_buf[r], sb) != C_SUCCESS) return C_ERROR;
+    recvs.push_back(Transfer{c, r, false, static_cast<uint8_t*>(recv_buf[r]), rb});
   }
   if (t_group_depth > 0) {
-    t_group_ops.insert(t_group_ops.end(), ops.begin(), ops.end());
+    t_group_recvs.insert(t_group_recvs.end(), recvs.begin(), recvs.end());
     return C_SUCCESS;
   }
-  return run_p2p(ops);
+  return run_recvs(recvs);
 }
 
 }  // namespace
 
-// For the tests (ctypes): remove segments left by killed jobs; returns how many.
+// For the tests (ctypes, in a process that loaded the plugin): remove segments left by killed
+// jobs, returning how many; change how long collectives wait for peers from now on.
 extern "C" int fakedev_cleanup_stale_segments() { return cleanup_stale_segments(); }
+extern "C" void fakedev_set_comm_timeout(double seconds) { g_timeout_s.store(seconds); }
 
 extern "C" void InitPlugin(CustomRuntimeParams* params) {
   PADDLE_CUSTOM_RUNTIME_CHECK_VERSION(params);
