@@ -7,8 +7,10 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -201,10 +203,32 @@ def test_four_ranks_fleet_mp2_pp2(fake_device, tmp_path):
         assert rep["tp_place"] == f"Place(fakedev:{r})" and rep["tp_max_err"] < 1e-4, rep
 
 
+def rendezvous(parties: int) -> int:
+    """A port on 127.0.0.1 where ``parties`` ranks connect and block until all of them did."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(300)
+
+    def serve():
+        conns = []
+        try:
+            for _ in range(parties):
+                conns.append(server.accept()[0])
+            for conn in conns:
+                conn.sendall(b"!")
+        finally:  # on a timeout the ranks read b"" and fail
+            for conn in conns:
+                conn.close()
+            server.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server.getsockname()[1]
+
+
 def test_two_jobs_at_once_do_not_share_a_communicator(fake_device, tmp_path):
     before = {p.name for p in SHM.glob("fakedev.*")}
+    port = rendezvous(4)  # the 4 ranks of both jobs, once their communicators exist
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(launch, JOB, ["--out", tmp_path, "--base", base, "--rendezvous", 2], nranks=2,
+        futures = [pool.submit(launch, JOB, ["--out", tmp_path, "--base", base, "--rendezvous", port], nranks=2,
                                log_dir=tmp_path / f"log{base}", timeout=300) for base in (1000, 2000)]
         results = [f.result() for f in futures]
     for res, base in zip(results, (1000, 2000)):

@@ -6,11 +6,12 @@ and prints one line ``FAKEDEV {json}``: the values it received (the test compare
 it computes itself) and, for the dtype x reduction matrix, the combinations that came out wrong.
 
 Options:
-  --out DIR           scratch folder shared by the ranks (barrier check, rendezvous, failure phases)
+  --out DIR           scratch folder shared by the ranks (the barrier check)
   --base B            offset of every value (two jobs at once use different offsets)
   --fleet DPxMPxPP    initialise through fleet.init with these hybrid degrees (else init_parallel_env)
-  --rendezvous N      after the communicator exists, wait until N jobs' ranks all reached that point
-                      (files in --out), so that N jobs' communicators provably coexist
+  --rendezvous PORT   after the communicator exists, connect to the test's rendezvous server on
+                      127.0.0.1:PORT and wait for its byte, which it sends once every rank of
+                      every job connected: the jobs' communicators provably coexist
   --failures          2 ranks: after the checks, rank 0 waits alone in an all_reduce with a 3 s
                       timeout, then in another communicator whose peer has exited
 """
@@ -20,6 +21,7 @@ import argparse
 import ctypes
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -31,7 +33,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--base", type=int, default=0)
 p.add_argument("--fleet", default="")
-p.add_argument("--rendezvous", type=int, default=0)
+p.add_argument("--rendezvous", type=int, default=0)  # a port
 p.add_argument("--failures", action="store_true")
 args = p.parse_args()
 out_dir = Path(args.out)
@@ -86,13 +88,8 @@ for name in ["float32", "bfloat16", "float16", "int64", "uint8", "int8"]:
 report["all_gather"] = gathered
 
 if args.rendezvous:
-    # both jobs' communicators now exist: wait (polling a folder, with a deadline) until every
-    # rank of every job got here, so the checks below run while all of them are alive
-    (out_dir / f"ready.{B}.{r}").write_text(str(os.getpid()))
-    deadline = time.monotonic() + 240
-    while len(list(out_dir.glob("ready.*"))) < args.rendezvous * n:
-        assert time.monotonic() < deadline, "rendezvous of the jobs timed out"
-        time.sleep(0.02)
+    with socket.create_connection(("127.0.0.1", args.rendezvous), timeout=240) as conn:
+        assert conn.recv(1) == b"!", "the rendezvous server closed without releasing the ranks"
 
 # 2. broadcast from the last rank
 t = on_device((B + 1000 * r + np.arange(3)).astype(np.float32))
@@ -216,7 +213,11 @@ if args.failures:
     lib.fakedev_set_comm_timeout.argtypes = [ctypes.c_double]
     pair = dist.new_group([0, 1])
     dist.all_reduce(on_device(np.ones(1, np.float32)), group=pair)  # creates its communicator
-    flag = out_dir / "timeout_phase_done"
+    # rank 1 stays out of rank 0's collective until rank 0 gave up: it blocks reading a socket
+    # that rank 0 serves (the port travels while the communicator still works)
+    server = socket.create_server(("127.0.0.1", 0)) if r == 0 else None
+    ports = []
+    dist.all_gather_object(ports, server.getsockname()[1] if server else None)
     if r == 0:
         # (a) alone in a collective: fails after the timeout, with the plugin's message on stderr
         lib.fakedev_set_comm_timeout(3.0)
@@ -228,7 +229,10 @@ if args.failures:
             failure = {"timeout_error": type(e).__name__}
         failure["timeout_s"] = round(time.perf_counter() - t0, 2)
         failure["timeout_cpu_s"] = round(time.thread_time() - cpu0, 3)  # waiting must not spin
-        flag.write_text("")
+        server.settimeout(120)
+        conn, _ = server.accept()
+        conn.sendall(b"!")
+        conn.close()
         # (b) the peer exits: the wait ends within about a second, whatever the timeout
         lib.fakedev_set_comm_timeout(120.0)
         t0 = time.perf_counter()
@@ -240,9 +244,7 @@ if args.failures:
         failure["dead_peer_s"] = round(time.perf_counter() - t0, 2)
         print("FAKEDEV_FAILURES " + json.dumps(failure), flush=True)
     else:
-        # stays out of rank 0's collective until rank 0 gave up, then exits
-        deadline = time.monotonic() + 120
-        while not flag.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        with socket.create_connection(("127.0.0.1", ports[0]), timeout=120) as conn:
+            conn.recv(1)
     # the communicators are broken on purpose: skip Paddle's teardown of them
     os._exit(0)
