@@ -453,7 +453,6 @@ C_Status give_up(C_CCLComm c, const char* what, const char* why) {
   return C_ERROR;
 }
 
-// Checks done while waiting: a peer gave up, a peer process is gone, the deadline passed.
 // What ends a wait early: a peer gave up, a peer process is gone (checked once a second), the
 // deadline passed. Empty if none.
 std::string wait_problem(C_CCLComm c, double deadline, double* next_peer_check) {
@@ -959,8 +958,8 @@ C_Status reduce_scatter(void* send, void* recv, size_t count, C_DataType t, C_CC
 // the mailbox does not take at once is copied and handed to one background thread per process,
 // which pushes it chunk by chunk, in order per (communicator, destination). A receive blocks
 // until its bytes arrived (Paddle reads the buffer as soon as the call returns: every event of
-// this device is complete). So any pattern of sends and receives that NCCL completes completes
-// here, batch_isend_irecv rings included, whether or not Paddle brackets it with group calls.
+// this device is complete). So sends before receives in any order complete, batch_isend_irecv
+// rings included (Paddle 3.3.1 issues those one by one, without group calls, on this device).
 
 // Progress of one message through the mailbox of one ordered pair of ranks.
 struct Transfer {
@@ -1061,7 +1060,12 @@ bool progress_pending() {
     }
     heads.push_back(key);
     C_Status status = C_SUCCESS;
-    while (it->t.step(&status)) moved = true;
+    bool stepped = false;
+    while (it->t.step(&status)) stepped = true;
+    if (stepped) {
+      moved = true;
+      it->deadline = now_s() + timeout_s();  // the timeout counts from the last progress
+    }
     if (it->t.finished()) {
       it = queue().pending.erase(it);
       queue().cv.notify_all();
@@ -1140,7 +1144,7 @@ void drain_sends(C_CCLComm c) {
 // short sleeps (50 us doubling to 5 ms), so nobody spins a core.
 C_Status run_recvs(std::vector<Transfer>& recvs) {
   if (recvs.empty()) return C_SUCCESS;
-  const double deadline = now_s() + timeout_s();
+  double deadline = now_s() + timeout_s();
   long pause = 50;
   for (;;) {
     bool moved = false, all_done = true;
@@ -1159,6 +1163,7 @@ C_Status run_recvs(std::vector<Transfer>& recvs) {
     if (all_done) return C_SUCCESS;
     if (moved) {
       pause = 50;
+      deadline = now_s() + timeout_s();  // the timeout counts from the last progress
       continue;
     }
     if (pending == 1) {
