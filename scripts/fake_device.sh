@@ -15,7 +15,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 if [ "${1:-}" = "--python" ]; then
   py=${2:?usage: scripts/fake_device.sh [ENV | --python PY]}
 else
-  py=$("$here/scripts/env.sh" "${1:-paddleformers}")
+  py=$("$here/scripts/env.sh" "${1:-paddleformers}" | tail -n 1)
 fi
 env_root=$("$here/scripts/env.sh" --root)
 cache="$(dirname "$env_root")/fake_device"
@@ -29,6 +29,7 @@ print("cp%d%d" % sys.version_info[:2])
 print(os.path.join(spec.submodule_search_locations[0], "include"))
 EOF
 )
+[ "${#info[@]}" -eq 3 ] || { echo "fake_device.sh: no paddlepaddle found for $py" >&2; exit 1; }
 paddle_version=${info[0]}
 python_tag=${info[1]}
 include=${info[2]}
