@@ -68,7 +68,8 @@ def device_env(base: dict | None = None, python: str | None = None, **fakedev) -
 def launch(script, args=(), nranks=2, env=None, python=None, fakedev=None, **kw):
     """``harness.run_launch`` on ``fakedev:0..nranks-1``; ``fakedev``: the plugin's variables as in
     ``device_env``; other keyword arguments go to ``run_launch`` (``log_dir``, ``timeout``)."""
-    sys.path.insert(0, str(ROOT / "tests" / "multirank"))
+    if str(ROOT / "tests" / "multirank") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests" / "multirank"))
     import harness
 
     return harness.run_launch(script, args, nproc=nranks, devices=range(nranks), python=python,
