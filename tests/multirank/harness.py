@@ -18,7 +18,7 @@ API
 - ``dump_shards(sd, path) -> file``; ``reassemble(dump_dir) -> {key: np.ndarray}``
 - ``tensor_to_numpy_bits(t)``, ``dtype_name(t)``, ``np_storage_dtype(name)``
 - ``gloo_safe_group_creation()``: context manager, for groups a test creates itself after ``init_fleet``
-- ``run_launch(script, args, nproc=4, log_dir=None, timeout=300) -> LaunchResult`` (from pytest,
+- ``run_launch(script, args, nproc=4, log_dir=None, timeout=300, devices=None) -> LaunchResult`` (from pytest,
   outside the ranks): runs ``python -m paddle.distributed.launch``, kills the whole process group on
   timeout, returns rc, wall time, per-rank logs and tagged JSON lines (``result.tagged("PROBE")``)
 
@@ -757,17 +757,23 @@ class LaunchResult:
         return "\n".join(parts)
 
 
-def run_launch(script, args=(), nproc=4, log_dir=None, timeout=300, python=None, env=None) -> LaunchResult:
+def run_launch(script, args=(), nproc=4, log_dir=None, timeout=300, python=None, env=None,
+               devices=None) -> LaunchResult:
     """``python -m paddle.distributed.launch --nproc_per_node N --log_dir LOG script args`` in its own
     session; on timeout the whole process group (launcher and ranks) is killed (SIGTERM, then
-    SIGKILL). Per-rank output is read from ``LOG/workerlog.<rank>``."""
+    SIGKILL). Per-rank output is read from ``LOG/workerlog.<rank>``.
+
+    ``devices`` (device ids) adds ``--devices 0,1,...``: for an accelerator, rank i gets the i-th
+    (``tests/_fake_device.py``'s ``launch`` passes it with the fake accelerator's environment: the
+    launcher picks a custom device type whenever ``CUSTOM_DEVICE_ROOT`` loads one)."""
     import signal
     import subprocess
     import tempfile
 
     log_dir = str(log_dir or tempfile.mkdtemp(prefix="pfc_launch_"))
+    device_args = ["--devices", ",".join(str(d) for d in devices)] if devices is not None else []
     cmd = [python or sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
-           "--log_dir", log_dir, str(script), *[str(a) for a in args]]
+           *device_args, "--log_dir", log_dir, str(script), *[str(a) for a in args]]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)
