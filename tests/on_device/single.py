@@ -63,10 +63,11 @@ def place(model, where: str) -> None:
     layer and the LM head, moved to the CPU as an offloading job would."""
     model.to(device=DEVICE if where in ("device", "mixed") else "cpu")
     if where == "mixed":
-        inner = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model.model.model
-        inner.layers[0].to(device="cpu")
-        lm = model if hasattr(model, "lm_head") else model.model
-        lm.lm_head.to(device="cpu")
+        subs = dict(model.named_sublayers())
+        first_layer = next(layer for name, layer in subs.items() if name.endswith("layers.0"))
+        head = next(layer for name, layer in subs.items() if name.endswith("lm_head"))
+        first_layer.to(device="cpu")
+        head.to(device="cpu")
 
 
 def places(model) -> dict:
