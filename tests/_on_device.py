@@ -26,7 +26,7 @@ def check_single_process(report: dict) -> None:
     """Every case: parameters where they were put, the device within the budget, the same bytes from
     every placement."""
     budgets = {"llama_bf16_budget0": 0}
-    assert set(report["cases"]) == {"llama", "llama_bf16", "llama_bf16_budget0", "tied", "lora"}
+    assert set(report["cases"]) == {"llama", "llama_bf16", "llama_bf16_budget0", "llama_staged", "tied", "lora"}
     for case, runs in report["cases"].items():
         budget = budgets.get(case, 16000)
         for where, run in runs.items():
@@ -42,4 +42,7 @@ def check_single_process(report: dict) -> None:
     # the device-side cast used the budget it was given; with budget 0 nothing was allocated
     assert 0 < report["cases"]["llama_bf16"]["device"]["device_peak"] <= 16000
     assert report["cases"]["llama_bf16_budget0"]["device"]["device_peak"] == 0
+    staged = report["cases"]["llama_staged"]
+    assert staged["device"]["files"] == report["cases"]["llama_bf16"]["device"]["files"]
+    assert staged["device"]["staged_chunks"] > 0 and report["cases"]["llama_bf16"]["device"]["staged_chunks"] == 0
     assert any(name.startswith("adapter/") for name in report["cases"]["lora"]["device"]["files"])

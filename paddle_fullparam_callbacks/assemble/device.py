@@ -8,7 +8,10 @@ The rule (``export.device_memory_budget``): an export never holds more than the 
 device memory at any moment, whatever the model's largest tensor.
 
 * A contiguous slice is copied to the host in chunks of its own memory: a chunk is a view of the
-  parameter (no device allocation), copied into host memory. That costs no device memory at all.
+  parameter (no device allocation), copied by Paddle (``Tensor.copy_``) into the host array that
+  assembly then uses, or, on builds with CUDA, through one reused staging buffer of pinned host
+  memory (device-to-host copies run at full speed only into pinned memory). That costs no device
+  memory at all.
 * A cast to ``export.dtype`` runs on the device, chunk by chunk, when one chunk of the result fits
   in the budget: the host then receives fewer bytes and has no cast to do. Otherwise (budget 0, or
   a chunk would not fit) the raw bytes come over and the host casts them.
@@ -31,6 +34,7 @@ from .. import _dtypes
 
 CHUNK_BYTES = 16 * 2**20  # bytes per device-to-host copy: large enough to run at copy speed
 ALIGN = 512  # device allocators round each allocation up (CUDA's caching allocator to 512 bytes)
+DEFAULT_STAGING = "auto"  # see DeviceBoundary.staging_buffer (tests set 'host' to run the staged path)
 
 
 class DeviceBudgetError(RuntimeError):
@@ -87,6 +91,7 @@ class DeviceBoundary:
 
     budget: int = 0
     chunk_bytes: int = CHUNK_BYTES
+    staging: str = field(default_factory=lambda: DEFAULT_STAGING)
     stats: DeviceStats = field(default_factory=DeviceStats)
 
     # ---- whole slices ---------------------------------------------------------------------
@@ -155,14 +160,50 @@ class DeviceBoundary:
         n = int(flat.shape[0])
         item = _dtypes.lookup(cast_to or dtype_of(flat)).itemsize
         step = max(1, (self._usable() if cast_to else self.chunk_bytes) // item)
+        out_bytes = out.view(np.uint8)
         for start in range(0, n, step):
             piece = flat[start:min(n, start + step)]
             if cast_to:
                 self._note_device(int(piece.shape[0]) * item)
                 piece = piece.astype(cast_to)
                 self.stats.device_casts += 1
-            out[start:start + int(piece.shape[0])] = _host_values(piece)
+            count = int(piece.shape[0])
+            self._to_host(piece, out_bytes[start * item:(start + count) * item])
             del piece
+
+    def _to_host(self, piece, dest: np.ndarray) -> None:
+        """One contiguous device chunk into ``dest`` (host bytes of the same size): copied by Paddle into
+        the destination's own memory, or through the reused staging buffer where there is one."""
+        import paddle
+
+        src = piece.view(paddle.uint8) if dtype_of(piece) != "uint8" else piece
+        stage = self.staging_buffer(dest.nbytes)
+        if stage is None:
+            paddle.from_dlpack(dest).copy_(src, True)
+            return
+        window = stage[:dest.nbytes]
+        window.copy_(src, True)  # device -> staging (pinned: the fast, DMA-able kind of host memory)
+        paddle.from_dlpack(dest).copy_(window, True)  # staging -> destination: a host copy
+
+    def staging_buffer(self, nbytes: int):
+        """The staging buffer (a uint8 host tensor of ``chunk_bytes``, made once per process and reused),
+        or None: the chunks then go straight into their destination. ``staging``: 'auto' (pinned host
+        memory where Paddle has it: builds with CUDA), 'pinned', 'host' (ordinary host memory: the same
+        two copies, for the tests of this path on other devices) or 'none'."""
+        mode = self.staging
+        if mode == "auto":
+            import paddle
+
+            mode = "pinned" if paddle.is_compiled_with_cuda() else "none"
+        if mode == "none" or nbytes > self.chunk_bytes:
+            return None
+        key = (mode, self.chunk_bytes)
+        if key not in _STAGING:
+            import paddle
+
+            host = paddle.to_tensor(np.zeros(self.chunk_bytes, dtype=np.uint8), place=paddle.CPUPlace())
+            _STAGING[key] = host.pin_memory() if mode == "pinned" else host
+        return _STAGING[key]
 
     def _copy_strided(self, tensor, out: np.ndarray, cast_to: Optional[str]) -> None:
         """A non-contiguous slice (rare: a view a framework made). Paddle's ``numpy()`` copies a view to
@@ -200,11 +241,13 @@ class DeviceBoundary:
 
 
 def _host_values(piece) -> np.ndarray:
-    """A contiguous device tensor's values as a host array of its storage dtype: one device-to-host copy
-    straight into numpy's memory (no device memory, no intermediate host tensor)."""
-    arr = piece.numpy()
-    storage = np.dtype(_dtypes.lookup(dtype_of(piece)).np_storage)
-    return arr if arr.dtype == storage else arr.view(storage)
+    """A contiguous device tensor's values as a new host array of its storage dtype."""
+    out = np.empty(tuple(piece.shape), dtype=_dtypes.lookup(dtype_of(piece)).np_storage)
+    DeviceBoundary(0, staging="none")._to_host(piece.reshape([-1]), out.reshape(-1).view(np.uint8))
+    return out
+
+
+_STAGING: Dict[tuple, object] = {}  # (mode, bytes) -> the process's staging buffer
 
 
 def host_array(tensor) -> np.ndarray:

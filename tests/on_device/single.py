@@ -8,6 +8,8 @@ Cases (one process, so Paddle and the frameworks are imported once):
 
 - ``llama``: an untied Llama (embedding and LM head 128 KB each), budget 16 KB: ``keep``; ``bfloat16``
   (the cast runs on the device in 16 KB chunks); ``bfloat16`` with budget 0 (the cast runs on the host);
+- ``llama_staged``: ``bfloat16`` again, each chunk through a reused host staging buffer (the path of
+  CUDA builds, with pinned memory there);
 - ``tied``: a tied Llama, budget 16 KB;
 - ``lora``: a LoRA model with nonzero adapters, merged, with its PEFT adapter, budget 16 KB;
 - ``mixed``: the llama with its first decoder layer and its LM head moved to the CPU (offloaded).
@@ -101,17 +103,32 @@ def main() -> int:
         "llama": ("llama", [budget]),
         "llama_bf16": ("llama", [budget, "export.dtype=bfloat16"]),
         "llama_bf16_budget0": ("llama", ["export.device_memory_budget=0", "export.dtype=bfloat16"]),
+        "llama_staged": ("llama", [budget, "export.dtype=bfloat16"]),  # through a reused staging buffer
         "tied": ("tied", [budget]),
         "lora": ("lora", [budget, "export.peft_adapter=inside"]),
     }
     report = {"framework": ns.framework, "cases": {}}
+    from paddle_fullparam_callbacks.assemble import device
+
+    staged = [0]  # chunks that went through a staging buffer
+    original = device.DeviceBoundary.staging_buffer
+
+    def counting(self, nbytes):
+        buf = original(self, nbytes)
+        staged[0] += buf is not None
+        return buf
+
+    device.DeviceBoundary.staging_buffer = counting
     for case, (model_name, overrides) in cases.items():
         model = models[model_name]
+        device.DEFAULT_STAGING = "host" if case == "llama_staged" else "auto"
         runs = {}
         for where in ("device", "mixed", "cpu"):
             place(model, where)
+            staged[0] = 0
             try:
-                runs[where] = {"places": places(model), **export(model, out / case / where, overrides)}
+                runs[where] = {"places": places(model), **export(model, out / case / where, overrides),
+                               "staged_chunks": staged[0]}
             except Exception as e:  # reported, with what failed on the device
                 runs[where] = {"places": places(model), "error": f"{type(e).__name__}: {e}"[:2000]}
         report["cases"][case] = runs
