@@ -90,7 +90,7 @@ class DeviceBoundary:
     """Moves slices to host memory within ``budget`` bytes of device memory (see the module doc)."""
 
     budget: int = 0
-    chunk_bytes: int = CHUNK_BYTES
+    chunk_bytes: int = field(default_factory=lambda: CHUNK_BYTES)
     staging: str = field(default_factory=lambda: DEFAULT_STAGING)
     stats: DeviceStats = field(default_factory=DeviceStats)
 
@@ -151,39 +151,45 @@ class DeviceBoundary:
         if not tensor.is_contiguous():
             self._copy_strided(tensor, out, cast_to)
         else:
-            self._copy_flat(tensor.reshape([-1]), out.reshape(-1), cast_to)
+            self._copy_flat(tensor.reshape([-1]), out.reshape(-1), cast_to)  # (reshape of contiguous: a view)
         self.stats.d2h_bytes += out.nbytes
         self.stats.d2h_s += time.perf_counter() - t0
 
     def _copy_flat(self, flat, out: np.ndarray, cast_to: Optional[str]) -> None:
-        """A contiguous 1-D device tensor into ``out`` (1-D host), chunk by chunk: each chunk a view."""
+        """A contiguous 1-D device tensor into ``out`` (1-D host, the result's storage), chunk by chunk:
+        each chunk a view of ``flat``, copied in its own dtype."""
         n = int(flat.shape[0])
         item = _dtypes.lookup(cast_to or dtype_of(flat)).itemsize
         step = max(1, (self._usable() if cast_to else self.chunk_bytes) // item)
-        out_bytes = out.view(np.uint8)
         for start in range(0, n, step):
             piece = flat[start:min(n, start + step)]
             if cast_to:
                 self._note_device(int(piece.shape[0]) * item)
                 piece = piece.astype(cast_to)
                 self.stats.device_casts += 1
-            count = int(piece.shape[0])
-            self._to_host(piece, out_bytes[start * item:(start + count) * item])
+            self._to_host(piece, out[start:start + int(piece.shape[0])])
             del piece
 
     def _to_host(self, piece, dest: np.ndarray) -> None:
-        """One contiguous device chunk into ``dest`` (host bytes of the same size): copied by Paddle into
-        the destination's own memory, or through the reused staging buffer where there is one."""
-        import paddle
+        """One contiguous device chunk into ``dest`` (a host array of its storage dtype and size): copied by
+        Paddle into the destination's own memory, or through the reused staging buffer where there is one.
 
-        src = piece.view(paddle.uint8) if dtype_of(piece) != "uint8" else piece
+        Never through a dtype view of the chunk (``piece.view(paddle.uint8)``): in Paddle 3.3.1 ``view`` to a
+        dtype of another size scales the storage offset of a sliced tensor by the size ratio (a chunk at
+        byte 16 MB of a float32 tensor, viewed as uint8, points at byte 64 MB: a segmentation fault on the
+        fake accelerator, a refusal on the CPU). Host arrays are seen as tensors of the chunk's own dtype
+        instead, each at offset 0 of its own memory."""
+        from .arrays import to_paddle
+
+        dtype = dtype_of(piece)
         stage = self.staging_buffer(dest.nbytes)
         if stage is None:
-            paddle.from_dlpack(dest).copy_(src, True)
+            to_paddle(dest, dtype).copy_(piece, True)
             return
-        window = stage[:dest.nbytes]
-        window.copy_(src, True)  # device -> staging (pinned: the fast, DMA-able kind of host memory)
-        paddle.from_dlpack(dest).copy_(window, True)  # staging -> destination: a host copy
+        window = stage[:dest.nbytes]  # offset 0: a dtype view of it is sound
+        window = window.view(_paddle_dtype(dtype)) if dtype != "uint8" else window
+        window.copy_(piece, True)  # device -> staging (pinned: the fast, DMA-able kind of host memory)
+        to_paddle(dest, dtype).copy_(window, True)  # staging -> destination: a host copy
 
     def staging_buffer(self, nbytes: int):
         """The staging buffer (a uint8 host tensor of ``chunk_bytes``, made once per process and reused),
@@ -243,8 +249,14 @@ class DeviceBoundary:
 def _host_values(piece) -> np.ndarray:
     """A contiguous device tensor's values as a new host array of its storage dtype."""
     out = np.empty(tuple(piece.shape), dtype=_dtypes.lookup(dtype_of(piece)).np_storage)
-    DeviceBoundary(0, staging="none")._to_host(piece.reshape([-1]), out.reshape(-1).view(np.uint8))
+    DeviceBoundary(0, staging="none")._to_host(piece, out)
     return out
+
+
+def _paddle_dtype(name: str):
+    import paddle
+
+    return getattr(paddle, name)
 
 
 _STAGING: Dict[tuple, object] = {}  # (mode, bytes) -> the process's staging buffer

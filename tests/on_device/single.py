@@ -8,8 +8,10 @@ Cases (one process, so Paddle and the frameworks are imported once):
 
 - ``llama``: an untied Llama (embedding and LM head 128 KB each), budget 16 KB: ``keep``; ``bfloat16``
   (the cast runs on the device in 16 KB chunks); ``bfloat16`` with budget 0 (the cast runs on the host);
-- ``llama_staged``: ``bfloat16`` again, each chunk through a reused host staging buffer (the path of
+- ``llama_staged``: ``bfloat16`` again, in 4 KB chunks, each through a reused host staging buffer (the path of
   CUDA builds, with pinned memory there);
+- ``llama_chunks``: ``keep`` copied in 4 KB chunks (the staged case too): every tensor of more than 4 KB
+  leaves the device as many views at growing offsets;
 - ``tied``: a tied Llama, budget 16 KB;
 - ``lora``: a LoRA model with nonzero adapters, merged, with its PEFT adapter, budget 16 KB;
 - ``mixed``: the llama with its first decoder layer and its LM head moved to the CPU (offloaded).
@@ -104,6 +106,7 @@ def main() -> int:
         "llama_bf16": ("llama", [budget, "export.dtype=bfloat16"]),
         "llama_bf16_budget0": ("llama", ["export.device_memory_budget=0", "export.dtype=bfloat16"]),
         "llama_staged": ("llama", [budget, "export.dtype=bfloat16"]),  # through a reused staging buffer
+        "llama_chunks": ("llama", [budget]),  # 4 KB chunks: a tensor is many views at growing offsets
         "tied": ("tied", [budget]),
         "lora": ("lora", [budget, "export.peft_adapter=inside"]),
     }
@@ -122,6 +125,7 @@ def main() -> int:
     for case, (model_name, overrides) in cases.items():
         model = models[model_name]
         device.DEFAULT_STAGING = "host" if case == "llama_staged" else "auto"
+        device.CHUNK_BYTES = 4096 if case in ("llama_staged", "llama_chunks") else 16 * 2**20
         runs = {}
         for where in ("device", "mixed", "cpu"):
             place(model, where)
