@@ -50,8 +50,9 @@ def _logger() -> logging.Logger:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[paddle-fullparam] %(message)s"))
         log.addHandler(handler)
-        log.setLevel(logging.INFO)
         log.propagate = False
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
     return log
 
 
@@ -152,7 +153,7 @@ class _Attachment:
 
 def _built(trainer, fw: _Framework) -> None:
     cls = type(trainer)
-    name = cls.__qualname__
+    name = cls.__name__
     record = Record(f"{cls.__module__}.{name}", fw.name, fw.version)
     try:
         if not fw.known:
@@ -172,8 +173,8 @@ def _built(trainer, fw: _Framework) -> None:
                 f"{RECIPE} asks for snapshots, but {name} has no callback_handler with a callbacks list and call_event "
                 f"(as {DISPLAY[fw.name]}'s Trainer has): the startup hook cannot reach this Trainer class; attach() "
                 f"the callback yourself, or unset {RECIPE}")
-        settings = RunSettings.from_environ()
         try:
+            settings = RunSettings.from_environ()
             config = settings.load_config()
         except ConfigError as e:
             raise AutoAttachError(f"{RECIPE}={os.environ.get(RECIPE, '')!r} {OVERRIDES}="
@@ -219,7 +220,7 @@ def reconcile(trainer) -> None:
         return
     callbacks = trainer.callback_handler.callbacks
     theirs = [cb for cb in callbacks if is_fullparam_callback(cb) and cb is not st.callback]
-    name = type(trainer).__qualname__
+    name = type(trainer).__name__
     if theirs:
         if st.callback is not None:
             _remove(trainer, st.callback, theirs)
