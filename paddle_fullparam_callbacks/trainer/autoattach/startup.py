@@ -66,15 +66,22 @@ class _TrainerModuleFinder:
         pass
 
 
+PATCH = "paddle_fullparam_callbacks.trainer.autoattach.patch"
+"""The heavy side, imported by name when a trainer module has run: this file is loaded outside the package
+(by path, before anything of it is imported) and depends on nothing of it, as an entry point would not."""
+
+
 def _trainer_module_loaded(module, framework):
+    import importlib
+
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     try:
-        from paddle_fullparam_callbacks.trainer.autoattach import patch
+        patch = importlib.import_module(PATCH)
     except ImportError:
         # the process sees the hook (PYTHONPATH from `run`) but not the package: the copy the hook came from
         if package_root not in sys.path:
             sys.path.append(package_root)
-        from paddle_fullparam_callbacks.trainer.autoattach import patch
+        patch = importlib.import_module(PATCH)
     patch.patch_trainer_module(module, framework)
 
 
