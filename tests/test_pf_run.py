@@ -156,3 +156,31 @@ def test_pretraining_with_the_checkpoint_hook(tmp_path, tiny_llama, hf_python):
     assert _summary(proc)[1].endswith(f"FullParamExportCallback attached; snapshots in {out}/checkpoint-N/hf")
     used = use_snapshots(hf_python, *inside)
     assert all(used[str(s)]["transformers"]["missing_keys"] == [] for s in inside), used
+
+
+def test_what_only_a_rank_knows_fails_at_train_begin(tmp_path):
+    """The variables alone (no run): the default output directory under the trainer's ``output_dir`` cannot
+    be made there (a file has its name); the wrapper's callback refuses at on_train_begin, before step 1."""
+    code = (
+        "import json, os, sys\n"
+        "from paddle_fullparam_callbacks.cli.demo import make_tiny_llama, make_trainer, trainer_args\n"
+        "out = sys.argv[1]\n"
+        "os.makedirs(out)\n"
+        "open(os.path.join(out, 'fullparam'), 'w').write('not a directory')\n"
+        "t = make_trainer('paddleformers', make_tiny_llama(), trainer_args('paddleformers', out, 4), [])\n"
+        "try:\n"
+        "    t.train()\n"
+        "except Exception as e:\n"
+        "    print('RESULT', json.dumps({'error': f'{type(e).__name__}: {e}', 'step': t.state.global_step}))\n"
+    )
+    sitedir = ROOT / "paddle_fullparam_callbacks" / "trainer" / "autoattach" / "sitedir"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_FULLPARAM_")}
+    env.update(PYTHONPATH=f"{sitedir}{os.pathsep}{ROOT}", PADDLE_FULLPARAM_RECIPE="default")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    got = json.loads(line[7:])
+    assert got["step"] == 0, got  # before step 1
+    assert f"{tmp_path / 'out' / 'fullparam'}" in got["error"] and "not a directory" in got["error"], got
+    assert "[paddle-fullparam] Trainer: FullParamExportCallback attached (recipe default); snapshots in " in proc.stderr

@@ -159,3 +159,25 @@ def test_a_hook_installed_after_the_framework_was_imported_patches_its_subclasse
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["N", "1", "1"], proc.stdout
+
+
+@pytest.mark.parametrize("version,code,expected", [
+    ("1.2.0", 0, "  paddleformers.trainer.trainer.Trainer (paddleformers 1.2.0, rank 0): FullParamExportCallback attached; "
+                 "snapshots in {cwd}/fake_out/fullparam (0 committed)"),
+    ("9.0.0", 1, "  paddleformers.trainer.trainer.Trainer (paddleformers 9.0.0, rank 0): refused: PADDLE_FULLPARAM_RECIPE "
+                 "asks for snapshots of Trainer, but PaddleFormers 9.0.0 is not a version the startup hook knows"),
+])
+def test_run_reports_what_each_trainer_got(fakes, tmp_path, version, code, expected):
+    """Through ``run`` (the hook's folder put on PYTHONPATH by run itself): the Trainer's process tells run,
+    which prints it after COMMAND's own output and exits with COMMAND's status."""
+    env = _env(fakes["paddleformers", version])
+    env["PYTHONPATH"] = os.pathsep.join([str(fakes["paddleformers", version]), str(ROOT)])  # no hook folder: run adds it
+    proc = subprocess.run([sys.executable, "-m", "paddle_fullparam_callbacks", "run", "--", sys.executable, "-c",
+                           "from paddleformers.trainer import Trainer; Trainer().train()"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert f"paddle-fullparam run: COMMAND ended (exit status {code}); 1 Trainer(s) built:" in lines, proc.stderr
+    assert any(ln.startswith(expected.format(cwd=tmp_path)) for ln in lines), proc.stderr
+    if code:
+        assert "AutoAttachError: PADDLE_FULLPARAM_RECIPE asks for snapshots of Trainer" in proc.stderr  # the traceback
