@@ -14,7 +14,7 @@ on PYTHONPATH), on the example of ``examples/paddleformers_cli/sft_cpu.yaml`` an
   ``checkpoint-N/`` holds its snapshot in ``hf/``.
 
 DPO through the CLI does not run on CPU (docs/without-code.md): one process fails in DPOTrainer
-(``fleet.distributed_model`` without ``fleet.init``), several in ``fleet.init``'s gloo group creation.
+(``fleet.distributed_model`` without ``fleet.init``), two ranks in ``TrainingArguments``' ``fleet.init``.
 """
 from __future__ import annotations
 
