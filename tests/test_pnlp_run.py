@@ -6,8 +6,9 @@ adding a callback after ``super().__init__``, its own callbacks list), with Padd
   exactly one FullParamExportCallback (the recipe from ``--recipe``, overrides from the flags and from
   ``PADDLE_FULLPARAM_OVERRIDES``), the snapshots of steps 2 and 4 are written once, load in transformers
   with the tokenizer files named by ``export.tokenizer``, and give the trained model's logits;
-* 1 rank, the script attaching its own FullParamExportCallback after building its Trainer: it keeps its
-  own, the wrapper adds none and says so once, and ``run``'s summary says so.
+* 1 rank, without a launcher: the wrapper's callback (the package's defaults: a snapshot at each trainer
+  save); then the script attaching its own FullParamExportCallback after building its Trainer: it keeps
+  its own, the wrapper adds none and says so once, and ``run``'s summary says so.
 """
 from __future__ import annotations
 
@@ -101,7 +102,18 @@ def test_two_ranks_under_the_launcher(job, tmp_path, hf_python):
     assert report["max_abs_diff"] <= 1e-4, report
 
 
-def test_one_rank_with_its_own_callback(job, tmp_path):
+def test_one_rank_without_and_with_its_own_callback(job, tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    proc = subprocess.run([*RUN, "--", sys.executable, str(SCRIPT), str(_args(job, plain))],
+                          cwd=plain, capture_output=True, text=True, timeout=900, env=_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (rep,) = _reports(plain, 1)
+    assert rep["world"] == 1 and rep["callbacks"].count("FullParamExportCallback") == 1, rep
+    assert rep["fullparam"][0]["events"] == ["save@2", "save@4"] and not rep["fullparam"][0]["own"], rep
+    assert sorted(p.name for p in (plain / "out" / "fullparam").glob("hf-step-*")) == ["hf-step-000002", "hf-step-000004"]
+    assert "FullParamExportCallback attached (recipe default); snapshots in " in proc.stderr
+
     own = tmp_path / "own_snaps"
     args = _args(job, tmp_path, own_callback_dir=str(own))
     proc = subprocess.run([*RUN, "--recipe", "hf_every_n_steps", "--", sys.executable, str(SCRIPT), str(args)],

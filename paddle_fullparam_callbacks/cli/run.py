@@ -27,7 +27,8 @@ from ..trainer.autoattach.startup import RUN_DIR
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 SITEDIR = PACKAGE_DIR / "trainer" / "autoattach" / "sitedir"
 PTH_NAME = "paddle_fullparam_callbacks.pth"
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+FORWARDED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+                  if hasattr(signal, name))
 USAGE = "paddle-fullparam run [--recipe NAME|PATH] [--output-dir DIR] [KEY=VALUE ...] -- COMMAND [ARG ...]"
 
 
@@ -120,6 +121,8 @@ def _spawn_and_wait(command: List[str], env: dict) -> int:
     """COMMAND's return code (negative: killed by that signal). The signals of ``FORWARDED`` are taken
     synchronously: one sent to ``run`` by a process (kill, a scheduler) is passed on to COMMAND; one the
     terminal sent to the whole foreground group (Ctrl-C) has reached COMMAND already and is not sent twice."""
+    if not hasattr(signal, "sigtimedwait"):  # not POSIX: no forwarding, COMMAND's status all the same
+        return subprocess.call(command, env=env)
     watch = set(FORWARDED) | {signal.SIGCHLD}
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, watch)
     try:
