@@ -9,6 +9,10 @@
   ``paddle-fullparam recipes``, the PaddleFormers Trainer import, ``from_recipe``,
   ``paddle-fullparam demo --steps 20``, ``paddle-fullparam verify`` of every snapshot it made, and
   ``paddle-fullparam convert`` of the demo trainer's checkpoint-20 (the demo's own snapshot, file for file).
+* The wheel's startup hook (``paddle_fullparam_callbacks.pth`` at its top level): with the wheel alone in a
+  fresh venv, ``PADDLE_FULLPARAM_*`` variables switch snapshots on for ``paddleformers-cli train`` (LoRA, 4
+  steps, a snapshot every 2, loaded by transformers with its tokenizer), nothing else set; without
+  ``PADDLE_FULLPARAM_RECIPE`` the hook loads nothing; ``paddle-fullparam run`` leaves PYTHONPATH alone.
 * Without ``[cpu]`` (a GPU cluster that installed paddlepaddle-gpu first), ``[paddleformers]`` and
   ``[paddlenlp]`` do not pull the CPU ``paddlepaddle`` wheel.
 * Two copies of the checkout run their tests through their own Makefile at the same time on the same
@@ -36,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "install"))
 import wheel_env as W  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+PTH = ROOT / "paddle_fullparam_callbacks" / "trainer" / "autoattach" / "paddle_fullparam_callbacks.pth"
 RECIPES = sorted(p.name for p in (ROOT / "paddle_fullparam_callbacks" / "recipes").glob("*.yaml"))
 EXTRAS = ["cpu", "paddleformers"]
 TIMINGS: dict = {}
@@ -107,6 +112,11 @@ def test_sdist_and_wheel_carry_the_recipes(built):
         in_sdist = sorted(n.rsplit("/", 1)[1] for n in t.getnames()
                           if re.fullmatch(r"[^/]+/paddle_fullparam_callbacks/recipes/[^/]+\.yaml", n))
     assert RECIPES and in_wheel == RECIPES and in_sdist == RECIPES
+    # the startup hook's one line, at the wheel's top level where site.py reads .pth files, as written in the source
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read("paddle_fullparam_callbacks.pth") == PTH.read_bytes()
+        record = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/RECORD"))).decode()
+    assert "\npaddle_fullparam_callbacks.pth," in "\n" + record  # pip uninstall removes it with the package
     # a clone keeps the top-level recipes/ for people who look there: the same files
     assert sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")) == RECIPES
 
@@ -161,6 +171,57 @@ def test_wheel_installed_outside_the_checkout(installed, tmp_path):
     resolved = (deps / "resolved.txt").read_text()
     print(f"install test timings {TIMINGS}; resolved from the wheel's metadata: "
           + ", ".join(ln for ln in resolved.splitlines() if re.match(r"(paddle|numpy|pyarrow|datasets)", ln, re.IGNORECASE)))
+
+
+@pytest.mark.slow
+@pytest.mark.paddleformers
+@pytest.mark.hf_client
+def test_wheel_switches_snapshots_on_from_environment_variables(installed, tmp_path, hf_python):
+    """The scheduler's form: the wheel in the venv, variables set, the framework's own command unchanged."""
+    import socket
+
+    from _helpers import use_snapshots
+
+    py, deps = installed
+    cli = py.parent / "paddle-fullparam"
+    probe = ("import sys; print(sorted(m for m in ('_paddle_fullparam_startup', 'paddle_fullparam_callbacks', 'paddle', "
+             "'numpy', 'omegaconf') if m in sys.modules), [type(f).__name__ for f in sys.meta_path][:1])")
+    off = W.run([py, "-c", probe], cwd=tmp_path, env=W.clean_env()).stdout.split("]")[0]
+    on = W.run([py, "-c", probe], cwd=tmp_path, env=W.clean_env(PADDLE_FULLPARAM_RECIPE="default")).stdout
+    assert off == "[" and on.split() == ["['_paddle_fullparam_startup']", "['_TrainerModuleFinder']"], (off, on)
+    # run from the wheel: its .pth does the work, COMMAND's PYTHONPATH is left as it was
+    wrapped = W.run([cli, "run", "--", py, "-c", "import os; print(repr(os.environ.get('PYTHONPATH')))"], cwd=tmp_path,
+                    env=W.clean_env())
+    assert wrapped.stdout.strip() == "None" and "without ever building a PaddleFormers or PaddleNLP Trainer" in wrapped.stderr
+
+    model, snaps_dir, data = tmp_path / "tiny-llama", tmp_path / "snaps", ROOT / "examples" / "paddleformers_cli" / "data"
+    W.run([py, ROOT / "examples" / "make_tiny_llama.py", model], cwd=tmp_path, env=W.clean_env(), timeout=600)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = W.clean_env(
+        PATH=f"{py.parent}:{deps / 'bin'}:/usr/bin:/bin", CUDA_VISIBLE_DEVICES="0", MASTER_PORT=str(port),
+        PADDLEFORMERS_DIST_LOG=str(tmp_path / "distlog"), PADDLE_FULLPARAM_RECIPE="hf_every_n_steps",
+        PADDLE_FULLPARAM_OVERRIDES="trigger.every_n_steps=2 export.dtype=keep", PADDLE_FULLPARAM_OUTPUT_DIR=str(snaps_dir))
+    proc = W.run([deps / "bin" / "paddleformers-cli", "train", ROOT / "examples" / "paddleformers_cli" / "sft_cpu.yaml",
+                  f"model_name_or_path={model}", f"output_dir={tmp_path / 'out'}", "fine_tuning=LoRA",
+                  f"train_dataset_path={data / 'sft_train.jsonl'}", f"eval_dataset_path={data / 'sft_eval.jsonl'}"],
+                 cwd=tmp_path, env=env, timeout=900, check=False)
+    rank_log = (tmp_path / "distlog" / "workerlog.0").read_text(errors="replace")
+    assert proc.returncode == 0, proc.stderr[-3000:] + rank_log[-4000:]
+    assert (tmp_path / "out" / "lora_config.json").is_file()
+    hook = [ln for ln in rank_log.splitlines() if ln.startswith("[paddle-fullparam] ")]
+    assert hook == ["[paddle-fullparam] SFTTrainer: FullParamExportCallback attached (recipe hf_every_n_steps, overrides "
+                    f"trigger.every_n_steps=2 export.dtype=keep); snapshots in {snaps_dir}"], hook
+    snaps = sorted(snaps_dir.glob("hf-step-*"))
+    assert [s.name for s in snaps] == ["hf-step-000002", "hf-step-000004"]
+    for snap in snaps:
+        proc = W.run([cli, "verify", "--json", snap], cwd=tmp_path, env=W.clean_env(), check=False)
+        assert proc.returncode == 0 and json.loads(proc.stdout)["ok"], proc.stdout + proc.stderr
+    used = use_snapshots(hf_python, *snaps)
+    for snap in snaps:
+        tf = used[str(snap)]["transformers"]
+        assert tf["vocab"] == 512 and tf["missing_keys"] == tf["unexpected_keys"] == [] and len(tf["generated_ids"]) == 8
 
 
 @pytest.mark.slow

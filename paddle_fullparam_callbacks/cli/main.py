@@ -1,4 +1,4 @@
-"""``paddle-fullparam``: demo | verify | convert | evaluate | plan | selfcheck | recipes."""
+"""``paddle-fullparam``: demo | verify | convert | evaluate | plan | selfcheck | recipes | run."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,8 @@ DESCRIPTION = (
     "Full-parameter Hugging Face snapshots of PaddlePaddle training jobs. "
     "demo: train a tiny model on CPU with the callback and list its snapshots; verify: check snapshots; "
     "convert: an HF snapshot from a trainer checkpoint on disk; evaluate: run the evaluation hook on snapshots; "
-    "plan: show how a hybrid-parallel job would assemble and write a snapshot; recipes: list the bundled recipes."
+    "plan: show how a hybrid-parallel job would assemble and write a snapshot; recipes: list the bundled recipes; "
+    "run: run a training command (paddleformers-cli train, a launcher, a script) with snapshots switched on, no code."
 )
 OVERRIDES_HELP = ("recipe overrides as key=value, e.g. trigger.every_n_steps=10 retention.keep_last=2; a value that "
                   "starts with { is taken as text for text keys (export.name_template={step:06d})")
@@ -244,14 +245,23 @@ def build_parser() -> argparse.ArgumentParser:
     text = "list the bundled recipes with what each does"
     r = sub.add_parser("recipes", help=text, description=text + ".")
     r.set_defaults(func=_cmd_recipes)
+
+    from .run import add_parser as add_run_parser
+
+    add_run_parser(sub, OVERRIDES_HELP)
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
+    from .run import split_command
+
+    args, command = split_command(args)  # `run ... -- COMMAND ...`: COMMAND's own arguments are not ours
     try:
         ns, extra = parser.parse_known_args(args)
+        if command is not None:
+            ns.command_argv = command
         if extra:
             # overrides after an option (`convert CKPT --output-dir OUT key=value`): argparse has already
             # filled the positional list before the option, so they come back unrecognised

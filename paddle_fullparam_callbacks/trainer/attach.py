@@ -56,5 +56,6 @@ def _hook_checkpoints(trainer, cb: FullParamExportCallback) -> None:
         return result
 
     save_checkpoint._pfc_hooked = True
+    save_checkpoint._pfc_callback = cb  # whose hook this is (autoattach removes its own, never a user's)
     trainer._save_checkpoint = save_checkpoint
     cb._hooked = True

@@ -11,7 +11,7 @@ import pytest
 from paddle_fullparam_callbacks import __version__
 from paddle_fullparam_callbacks.cli.main import build_parser, main
 
-COMMANDS = ["demo", "verify", "plan", "recipes"]
+COMMANDS = ["demo", "verify", "plan", "recipes", "run"]
 
 
 def _run(*args, **kw):
