@@ -56,8 +56,9 @@ def on_device(tensor) -> bool:
     return not (place.is_cpu_place() or place.is_cuda_pinned_place())
 
 
-def _cpu_view(tensor) -> Optional[np.ndarray]:
-    """A numpy array sharing a CPU tensor's memory, strides included; None if DLPack refuses it."""
+def _cpu_array(tensor) -> np.ndarray:
+    """A numpy array sharing a CPU tensor's memory, strides included (DLPack); a copy where DLPack
+    refuses it."""
     import paddle
 
     if not tensor.stop_gradient:
@@ -65,24 +66,22 @@ def _cpu_view(tensor) -> Optional[np.ndarray]:
     storage = np.dtype(_dtypes.lookup(dtype_of(tensor)).np_storage)
     try:
         arr = np.from_dlpack(tensor.view(paddle.uint16) if storage == np.uint16 else tensor)
+        if arr.dtype == storage and tuple(arr.shape) == tuple(tensor.shape):
+            return arr
     except (TypeError, RuntimeError, ValueError, BufferError, AttributeError):
-        return None
-    return arr if arr.dtype == storage and tuple(arr.shape) == tuple(tensor.shape) else None
+        pass
+    arr = tensor.numpy()  # copies; always right
+    return arr if arr.dtype == storage else arr.view(storage)
 
 
 @dataclass
 class DeviceStats:
-    """What the boundary did during one export (for the manifest's timings and the benchmarks)."""
+    """What the boundary did during one export (the manifest's ``timings.device_to_host_s``, the tests)."""
 
     d2h_bytes: int = 0
     d2h_s: float = 0.0
     device_casts: int = 0
     host_casts: int = 0
-    peak_device_bytes: int = 0  # most device memory this boundary held at once (its own accounting)
-
-    def as_dict(self) -> Dict[str, float]:
-        return {"d2h_bytes": self.d2h_bytes, "d2h_s": round(self.d2h_s, 6), "device_casts": self.device_casts,
-                "host_casts": self.host_casts, "peak_device_bytes": self.peak_device_bytes}
 
 
 @dataclass
@@ -97,40 +96,27 @@ class DeviceBoundary:
     # ---- whole slices ---------------------------------------------------------------------
     def host_array(self, tensor, cast_to: Optional[str] = None) -> "tuple[np.ndarray, str]":
         """``(array, dtype)``: the tensor's values in host memory, cast to ``cast_to`` when given
-        (floating dtypes only). A CPU tensor is shared, not copied (unless cast)."""
-        from .arrays import cast_array
-
-        if isinstance(tensor, np.ndarray):
-            dtype = dtype_of(tensor)
-            return self._host_cast(tensor, dtype, cast_to), cast_to if self._casts(dtype, cast_to) else dtype
+        (floating dtypes only). A host array or CPU tensor is shared, not copied (unless cast)."""
         dtype = dtype_of(tensor)
-        if not on_device(tensor):
-            arr = _cpu_view(tensor)
-            if arr is None:
-                arr = tensor.numpy()  # copies; always right
-                storage = np.dtype(_dtypes.lookup(dtype).np_storage)
-                arr = arr if arr.dtype == storage else arr.view(storage)
-            return self._host_cast(arr, dtype, cast_to), cast_to if self._casts(dtype, cast_to) else dtype
         want = cast_to if self._casts(dtype, cast_to) else dtype
+        if isinstance(tensor, np.ndarray) or not on_device(tensor):
+            return self._host_cast(tensor if isinstance(tensor, np.ndarray) else _cpu_array(tensor), dtype, want), want
         device_cast = want != dtype and self._fits(_dtypes.lookup(want).itemsize)
         moved = want if device_cast else dtype  # what crosses to the host
         out = np.empty(tuple(tensor.shape), dtype=_dtypes.lookup(moved).np_storage)
         self._copy_out(tensor, out, want if device_cast else None)
-        if moved != want:
-            self.stats.host_casts += 1
-            return cast_array(out, dtype, want), want
-        return out, want
+        return self._host_cast(out, moved, want), want
 
     def _casts(self, dtype: str, cast_to: Optional[str]) -> bool:
         return bool(cast_to) and cast_to != dtype and _dtypes.lookup(dtype).is_float and _dtypes.lookup(cast_to).is_float
 
-    def _host_cast(self, arr: np.ndarray, dtype: str, cast_to: Optional[str]) -> np.ndarray:
+    def _host_cast(self, arr: np.ndarray, dtype: str, want: str) -> np.ndarray:
         from .arrays import cast_array
 
-        if not self._casts(dtype, cast_to):
+        if want == dtype:
             return arr
         self.stats.host_casts += 1
-        return cast_array(arr, dtype, cast_to)
+        return cast_array(arr, dtype, want)
 
     def _usable(self) -> int:
         """Bytes one device allocation may ask for so that, rounded up by the allocator, it fits the budget."""
@@ -164,7 +150,6 @@ class DeviceBoundary:
         for start in range(0, n, step):
             piece = flat[start:min(n, start + step)]
             if cast_to:
-                self._note_device(int(piece.shape[0]) * item)
                 piece = piece.astype(cast_to)
                 self.stats.device_casts += 1
             self._to_host(piece, out[start:start + int(piece.shape[0])])
@@ -231,7 +216,6 @@ class DeviceBoundary:
             values = np.empty(tuple(tensor.shape), dtype=_dtypes.lookup(dtype_of(tensor)).np_storage)
             for start in range(0, rows, per):
                 stop = min(rows, start + per)
-                self._note_device((stop - start) * row_bytes)
                 values[start:stop] = _host_values(tensor[start:stop].contiguous()).reshape(values[start:stop].shape)
         storage = np.dtype(_dtypes.lookup(dtype_of(tensor)).np_storage)
         values = values if values.dtype == storage else values.view(storage)
@@ -241,9 +225,6 @@ class DeviceBoundary:
             self.stats.host_casts += 1
             values = cast_array(values, dtype_of(tensor), cast_to)
         out[...] = values.reshape(out.shape)
-
-    def _note_device(self, nbytes: int) -> None:
-        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, nbytes)
 
 
 def _host_values(piece) -> np.ndarray:
