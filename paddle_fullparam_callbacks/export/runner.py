@@ -135,6 +135,18 @@ def run(workdir: str) -> dict:
     return _finish(workdir, status)
 
 
+def is_alive(pid, workdir: str) -> bool:
+    """Whether ``pid`` is a runner (this file) working on ``workdir``, on this host (``/proc``)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().split(b"\0")
+    except OSError:
+        return False
+    return os.path.basename(__file__).encode() in b" ".join(cmdline) and os.fsencode(str(workdir)) in cmdline
+
+
 def _finish(workdir: str, status: dict) -> dict:
     status["finished_unix"] = time.time()
     status["seconds"] = round(status["finished_unix"] - status["started_unix"], 3)

@@ -66,7 +66,7 @@ class Store:
         self._sleep = sleep
         self._lock = threading.Lock()
         self.retried = 0  # requests retried (all threads)
-        config = Config(retries={"max_attempts": 1, "mode": "standard"}, request_checksum_calculation="when_required",
+        config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, request_checksum_calculation="when_required",
                         response_checksum_validation="when_required", max_pool_connections=max(10, cfg.concurrency + 4),
                         connect_timeout=10, read_timeout=300)
         self.client = boto3.session.Session().client("s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region,
