@@ -142,5 +142,5 @@ class TrainerPublishing:
         t0 = time.perf_counter()
         self.hook.close(self.config.publish.wait_at_end_s)
         self.waited_s = time.perf_counter() - t0 if waiting else 0.0
-        self.drain(None, state, trainer)
+        self.drain(session, state, trainer)  # and retention, now that nothing is kept for its publication
         self.hook = None

@@ -188,7 +188,7 @@ class PublishHook:
         for p in self._line:
             if p not in winners:
                 p.entry = {**self._base(p), "status": records.SKIPPED,
-                           "error": f"skipped: publishing fell behind and newer snapshots won ({newest.name} is "
+                           "error": f"publishing fell behind and newer snapshots won ({newest.name} is "
                                     "published instead)"}
                 if identity(p.path) is not None:
                     self._write(p, p.entry)
