@@ -1,0 +1,100 @@
+"""The publish section (issue 26): every rule has one message naming the key; the pure pieces of the
+publisher (the S3 URL, the part size, the journal, the record, the final entry) without a store."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paddle_fullparam_callbacks.config.publishing import parse_s3_url
+from paddle_fullparam_callbacks.config.recipes import load_config
+from paddle_fullparam_callbacks.config.schema import ConfigError
+from paddle_fullparam_callbacks.export.publish import records
+from paddle_fullparam_callbacks.export.publish.journal import Journal
+from paddle_fullparam_callbacks.export.publish.result import final_entry
+from paddle_fullparam_callbacks.export.publish.upload import part_size_for
+
+
+def test_a_publish_section_loads_and_the_url_is_normalised():
+    cfg = load_config(None, ["publish.url=s3://my-bucket/runs/llama/", "publish.part_size=8MiB", "publish.max_memory=64MiB"])
+    assert cfg.publish.url == "s3://my-bucket/runs/llama" and cfg.publish.enabled
+    assert not load_config(None, []).publish.enabled
+    assert load_config(None, ["publish.url=s3://my-bucket"]).publish.url == "s3://my-bucket"
+
+
+@pytest.mark.parametrize("overrides, key, message", [
+    (["publish.url=my-bucket/x"], "publish.url", "must be s3://bucket/prefix"),
+    (["publish.url=s3://My_Bucket/x"], "publish.url", "'My_Bucket' is not a valid bucket name"),
+    (["publish.url=s3://bkt/a//b"], "publish.url", "empty, '.' or '..' component"),
+    (["publish.url=s3://bkt/a/../b"], "publish.url", "empty, '.' or '..' component"),
+    (["publish.url=s3://bkt/x", "publish.command=echo {snapshot}"], "publish.command", "give one of them"),
+    (["publish.command=echo {nope}"], "publish.command", r"unknown field \{nope\}; the command may use \{snapshot\}"),
+    (["publish.command=echo 'open"], "publish.command", "does not split into words"),
+    (["publish.command=echo {snapshot}", "publish.keep_last=2"], "publish.keep_last", "applies to publish.url"),
+    (["publish.url=s3://bkt/x", "publish.endpoint_url=localhost:9000"], "publish.endpoint_url", r"http\(s\)://host"),
+    (["publish.url=s3://bkt/x", "publish.part_size=1MB"], "publish.part_size", "between 5MiB and 5GiB"),
+    (["publish.url=s3://bkt/x", "publish.part_size=6GB"], "publish.part_size", "between 5MiB and 5GiB"),
+    (["publish.url=s3://bkt/x", "publish.part_size=lots"], "publish.part_size", ""),
+    (["publish.url=s3://bkt/x", "publish.max_memory=100MB"], "publish.max_memory", "fewer than two parts"),
+    (["publish.url=s3://bkt/x", "publish.concurrency=0"], "publish.concurrency", "whole number >= 1"),
+    (["publish.url=s3://bkt/x", "publish.retries=-1"], "publish.retries", "whole number >= 0"),
+    (["publish.url=s3://bkt/x", "publish.timeout_s=0"], "publish.timeout_s", "> 0"),
+    (["publish.url=s3://bkt/x", "publish.nice=20"], "publish.nice", "<= 19"),
+    (["publish.url=s3://bkt/x", "publish.keep_best=1"], "publish.keep_best", "needs retention.metric"),
+    (["publish.url=s3://bkt/x", "export.format=callable", "export.callable=m:f"], "publish.url", "writes no snapshot"),
+])
+def test_each_rule_names_its_key(overrides, key, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(None, overrides)
+    assert e.value.key == key
+
+
+def test_the_s3_url_and_the_part_size():
+    assert parse_s3_url("s3://a.b-c/x/y/") == ("a.b-c", "x/y")
+    with pytest.raises(ValueError, match="brace"):
+        parse_s3_url("s3://bkt/{step}")
+    mib = 2**20
+    assert part_size_for(100 * mib, 64 * mib) == 64 * mib
+    assert part_size_for(5 * 2**40, 64 * mib) == 525 * mib  # 5 TiB in at most 10,000 parts
+    assert -(-5 * 2**40 // part_size_for(5 * 2**40, 5 * mib)) <= 10_000
+
+
+def test_the_journal_keeps_open_uploads_and_survives_a_torn_line(tmp_path):
+    j = Journal(tmp_path / "journal.jsonl")
+    j.started("s3://b/p", "p/a", "u1", 5, 10, "d")
+    j.started("s3://b/p", "p/b", "u2", 5, 10, "d")
+    j.started("s3://other/p", "p/c", "u3", 5, 10, "d")
+    j.done("s3://b/p", "p/a", "u1")
+    with open(tmp_path / "journal.jsonl", "a") as f:
+        f.write('{"event": "upload", "upload_id": "u4"')  # a crash cut this line short
+    assert list(j.open_uploads("s3://b/p")) == ["u2"] and sorted(j.open_uploads()) == ["u2", "u3"]
+    j.clear()
+    assert j.open_uploads() == {}
+
+
+def test_the_record_keeps_one_entry_per_destination(tmp_path):
+    records.write(tmp_path, "s3://b/p", {"status": "ok"})
+    records.write(tmp_path, "command", {"status": "failed"})
+    records.write(tmp_path, "s3://b/p", {"status": "skipped"})
+    assert records.read_all(tmp_path) == {"s3://b/p": {"status": "skipped"}, "command": {"status": "failed"}}
+    (tmp_path / records.RECORD).write_text("[1]")
+    assert records.read(tmp_path, "s3://b/p") is None
+
+
+@pytest.mark.parametrize("status, output, expected, error", [
+    (None, None, "unfinished", "ended without a result"),
+    ({"exit_code": 0}, {"url": "s3://b/p/x/"}, "ok", None),
+    ({"exit_code": -15, "terminated": True}, None, "unfinished", "the training ended before it finished"),
+    ({"exit_code": -9, "timed_out": True}, None, "failed", "publish.timeout_s=60"),
+    ({"exit_code": 1, "last_line": json.dumps({"error": "StoreError: NoSuchBucket"})}, None, "failed", "NoSuchBucket"),
+    ({"exit_code": 2}, None, "failed", "exit status 2"),
+])
+def test_the_final_entry_from_what_the_runner_saw(tmp_path, status, output, expected, error):
+    if status is not None:
+        (tmp_path / "status.json").write_text(json.dumps(status))
+    if output is not None:
+        (tmp_path / "output.json").write_text(json.dumps(output))
+    entry = final_entry({"status": "running", "snapshot": "s", "timeout_s": 60}, tmp_path / "status.json",
+                        tmp_path / "output.json", tmp_path / "log", 5.0)
+    assert entry["status"] == expected and entry["snapshot"] == "s"
+    assert (error is None and entry.get("result") == output) or error in entry["error"]
