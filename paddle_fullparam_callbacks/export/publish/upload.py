@@ -150,11 +150,15 @@ class Uploader:
                 item = work.get()
                 if item is None:
                     return
-                number, data, md5_hex, b64 = item
+                number, data = item
                 try:
                     if not errors:
+                        d = hashlib.md5(data).digest()  # here, not on the reader: the parts' MD5s run in parallel
+                        md5_hex = d.hex()
+                        with lock:
+                            md5s[number] = d
                         r = self.store.call("upload_part", key, UploadId=upload_id, PartNumber=number, Body=data,
-                                            ContentMD5=b64)
+                                            ContentMD5=base64.b64encode(d).decode())
                         etag = quoted(r.get("ETag"))
                         if self.cfg.check_etag and etag != md5_hex:
                             raise StoreError(f"{self.store.where(key)} part {number}: the store's ETag {etag} is not "
@@ -184,15 +188,17 @@ class Uploader:
                     data = os.pread(fd, min(part, size - (number - 1) * part), (number - 1) * part)
                     if hasher is not None:
                         hasher.update(data)
-                    d = hashlib.md5(data).digest()
-                    md5s[number] = d
                     have = existing.get(number)
-                    if have is not None and have == (d.hex(), len(data)):
-                        etags[number] = have[0]
-                        stats["reused"] += 1
-                        slots.release()
-                        continue
-                    work.put((number, data, d.hex(), base64.b64encode(d).decode()))
+                    if have is not None and have[1] == len(data):
+                        d = hashlib.md5(data).digest()
+                        if have[0] == d.hex():  # the store holds this very part: kept
+                            with lock:
+                                md5s[number] = d
+                                etags[number] = have[0]
+                            stats["reused"] += 1
+                            slots.release()
+                            continue
+                    work.put((number, data))
                     del data
         finally:
             for _ in threads:
