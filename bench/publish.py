@@ -43,8 +43,15 @@ import _common as C  # noqa: E402
 RESULT_PATH = C.RESULTS_DIR / "publish.json"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
 SERVER = r'''
-import logging, sys
+import logging, os, sys
 from moto.server import ThreadedMotoServer
+# the store stands for another machine: on this 2-core one it yields the CPU (nice 19, and its own session's
+# autogroup, as the runner does), so what the stall measures is the publisher's cost, not the server's
+os.nice(19)
+try:
+    open("/proc/self/autogroup", "w").write("19")
+except OSError:
+    pass
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 s = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
 s.start()
@@ -54,7 +61,8 @@ sys.stdin.read()
 
 
 def start_server():
-    proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
     return proc, proc.stdout.readline().strip()
 
 
@@ -135,7 +143,7 @@ def throughput(endpoint: str, reps: int, shards: int, shard_mb: int, part_mb: in
             "throughput_ratio_median": round(C.median([r["ratio"] for r in rows]), 4), "pairs": rows}
 
 
-def child(variant: str, out: Path, endpoint: str, exports: int, steps: int) -> dict:
+def child(variant: str, out: Path, endpoint: str, exports: int, steps: int, prefix: str) -> dict:
     C.quiet_logs()
     import numpy as np
 
@@ -146,7 +154,7 @@ def child(variant: str, out: Path, endpoint: str, exports: int, steps: int) -> d
 
     over = [f"output_dir={out}", "export.max_shard_size=5GB"]
     if variant == "on":
-        over += ["publish.url=s3://bench/stall", f"publish.endpoint_url={endpoint}"]
+        over += [f"publish.url=s3://bench/{prefix}", f"publish.endpoint_url={endpoint}"]
     cfg = load_config(None, over)
     model = C.build_llama(seed=0)
     session = ExportSession(cfg, out)
@@ -197,6 +205,7 @@ def main():
     ap.add_argument("--variant", choices=("off", "on"))
     ap.add_argument("--out")
     ap.add_argument("--endpoint")
+    ap.add_argument("--prefix", default="stall")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--stall-reps", type=int, default=2)
     ap.add_argument("--shards", type=int, default=2)
@@ -208,7 +217,7 @@ def main():
     ns = ap.parse_args()
     os.environ.update({k: os.environ.get(k, v) for k, v in CREDENTIALS.items()})
     if ns.variant:
-        print(json.dumps(child(ns.variant, Path(ns.out), ns.endpoint, ns.exports, ns.steps)))
+        print(json.dumps(child(ns.variant, Path(ns.out), ns.endpoint, ns.exports, ns.steps, ns.prefix)))
         return
     server, endpoint = start_server()
     try:
@@ -223,7 +232,8 @@ def main():
                 tmp = Path(tempfile.mkdtemp(prefix="pfc_publish_stall_"))
                 try:
                     r = C.run_child([__file__, "--variant", v, "--out", str(tmp / "out"), "--endpoint", endpoint,
-                                     "--exports", str(ns.exports), "--steps", str(ns.steps)], timeout=1800)
+                                     "--exports", str(ns.exports), "--steps", str(ns.steps), "--prefix", f"stall-{rep}"],
+                                    timeout=1800)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
                 runs[v].append(r)
@@ -244,8 +254,9 @@ def main():
                   "hook_seconds_per_commit_max": max(hook) if hook else None,
                   "publications_ok": all(s == "ok" for r in runs["on"] for s in r["publications"]),
                   "runs": runs},
-        "notes": ["store: moto 5.2.5's S3 server in its own process on loopback (a Python server: it, not the "
-                  "network, bounds both sides' MB/s here)",
+        "notes": ["store: moto 5.2.5's S3 server in its own process on loopback, at nice 19 in its own session (it "
+                  "stands for another machine); a Python server: it, not the network, bounds both sides' MB/s here",
+                  "stall: each run publishes to a fresh prefix (a new run may not replace another run's snapshots)",
                   "ratio = upload_file seconds / publisher seconds for the same files in the same repetition"],
     }
     C.write_result(RESULT_PATH, result)

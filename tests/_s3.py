@@ -6,6 +6,7 @@
 - ``hold(match)``: stop a matching request until :meth:`Proxy.release`, then drop it unanswered; the test
   waits for ``arrived`` (an Event: no sleeping), e.g. to SIGKILL the publisher mid-multipart;
 - ``lose(match)``: forward a matching request, then answer 500 (the store did it, the answer was lost);
+- ``before(match, fn)``: call ``fn()`` before forwarding a matching request (another writer acts first);
 - ``ignore_conditions = True``: strip If-None-Match and If-Match before forwarding (a store that ignores them).
 
 Every request seen is in ``seen`` as (method, path with query). moto 5.2.5 checks no signature unless its
@@ -84,6 +85,7 @@ class _Rule:
     arrived: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
     hits: int = 0
+    fn: Optional[Callable[[], None]] = None
 
 
 class Proxy:
@@ -120,6 +122,11 @@ class Proxy:
 
     def lose(self, match: Match, times: int = 1) -> _Rule:
         rule = _Rule(match, "lose", times=times)
+        self.rules.append(rule)
+        return rule
+
+    def before(self, match: Match, fn: Callable[[], None], times: int = 1) -> _Rule:
+        rule = _Rule(match, "before", times=times, fn=fn)
         self.rules.append(rule)
         return rule
 
@@ -162,6 +169,9 @@ class Proxy:
             rule.released.wait(120)
             h.close_connection = True  # dropped: the client never gets an answer
             return
+        if rule is not None and rule.action == "before":
+            rule.fn()
+            rule = None
         if rule is not None and rule.action == "fail":
             data = ERROR_XML.format(code=rule.code, message=f"injected by the test proxy ({rule.status})").encode()
             h.send_response(rule.status)

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -54,7 +55,8 @@ def s3(moto, request):
     proxy.close()
 
 
-def make_snapshot(out: Path, step: int, run: str = "r1", shard: int = 11 * MIB + 3, seed: int = 0) -> Path:
+def make_snapshot(out: Path, step: int, run: str = "r1", shard: int = 11 * MIB + 3, seed: int = 0,
+                  loss: Optional[float] = None) -> Path:
     """A committed snapshot as the package writes it: files, then a manifest with their BLAKE3."""
     d = out / f"hf-step-{step:06d}"
     d.mkdir(parents=True, exist_ok=True)
@@ -63,7 +65,7 @@ def make_snapshot(out: Path, step: int, run: str = "r1", shard: int = 11 * MIB +
              "config.json": b'{"model_type": "llama"}', "model.safetensors.index.json": b'{"weight_map": {}}'}
     for n, b in files.items():
         (d / n).write_bytes(b)
-    manifest = {"manifest_version": 1, "snapshot": d.name, "step": step, "checksum": "blake3", "metrics": {"loss": 10.0 / step},
+    manifest = {"manifest_version": 1, "snapshot": d.name, "step": step, "checksum": "blake3", "metrics": {"loss": 10.0 / step if loss is None else loss},
                 "run": {"id": run, "seq": step}, "created_unix": time.time() + seed,
                 "files": {n: {"bytes": len(b), "blake3": checksum.new("blake3", b).hexdigest()} for n, b in files.items()}}
     (d / "fullparam_manifest.json").write_text(json.dumps(manifest))
@@ -189,8 +191,9 @@ def test_throttling_and_server_errors_are_retried_and_a_lost_answer_is_recognise
     proxy.fail(lambda m, p: m == "HEAD", 503, "ServiceUnavailable")
     proxy.lose(lambda m, p: m == "POST" and "uploadId=" in p)  # Complete done, its answer lost
     proxy.lose(lambda m, p: m == "PUT" and p.endswith("fullparam_manifest.json"))  # the manifest's answer lost
+    proxy.fail(lambda m, p: m == "PUT" and p.endswith("/latest"), 409, "ConditionalRequestConflict")
     out = publish_one(spec(snap, config(proxy.endpoint, bucket)))
-    assert out["retried_requests"] == 6 and same_bytes(c, bucket, snap) and not open_uploads(c, bucket)
+    assert out["retried_requests"] == 7 and same_bytes(c, bucket, snap) and not open_uploads(c, bucket)
     # beyond publish.retries it fails with the store's code and the address, and no manifest is written
     snap2 = make_snapshot(tmp_path, 6)
     proxy.fail(is_part, 503, "SlowDown", times=100)
@@ -254,6 +257,36 @@ def test_latest_never_moves_back_and_best_follows_the_local_best(s3, tmp_path):
     out = publish_one(spec(early, cfg))
     assert out["latest"] == late.name and out["best"] == early.name
     assert c.get_object(Bucket=bucket, Key="run/best")["Body"].read() == b"hf-step-000004\n"
+
+
+def test_a_lost_compare_and_swap_reads_again_and_latest_still_never_moves_back(s3, tmp_path):
+    c, bucket, proxy = s3
+    cfg = config(proxy.endpoint, bucket)
+    publish_one(spec(make_snapshot(tmp_path, 3), cfg))
+
+    def other_writer():  # another job moves latest to step 9 between our read and our write
+        etag = c.head_object(Bucket=bucket, Key="run/latest")["ETag"]
+        c.put_object(Bucket=bucket, Key="run/latest", Body=b"hf-step-000009\n", IfMatch=etag)
+
+    raced = proxy.before(lambda m, p: m == "PUT" and p.endswith("/run/latest"), other_writer)
+    proxy.seen.clear()
+    out = publish_one(spec(make_snapshot(tmp_path, 5), cfg))
+    assert raced.hits == 1 and out["latest"] == "hf-step-000009"
+    assert c.get_object(Bucket=bucket, Key="run/latest")["Body"].read() == b"hf-step-000009\n"
+    assert proxy.count("PUT", "/run/latest") == 1  # our one conditional PUT, refused (412); then read again
+
+
+def test_remote_retention_keeps_the_newest_and_the_best_by_the_metric(s3, tmp_path):
+    c, bucket, proxy = s3
+    cfg = config(proxy.endpoint, bucket, keep_last=1, keep_best=1)
+    removed = []
+    for step, loss in ((1, 3.0), (2, 1.0), (3, 4.0), (4, 2.0)):
+        snap = make_snapshot(tmp_path, step, loss=loss, shard=1000)
+        (tmp_path / "best").write_text("hf-step-000002\n" if step >= 2 else "hf-step-000001\n")
+        removed += publish_one(spec(snap, cfg, metric="loss", mode="min"))["removed"]
+    assert removed == ["hf-step-000001", "hf-step-000003"]
+    assert sorted({k.split("/")[1] for k in keys_under(c, bucket)}) == ["best", "hf-step-000002", "hf-step-000004", "latest"]
+    assert c.get_object(Bucket=bucket, Key="run/best")["Body"].read() == b"hf-step-000002\n"
 
 
 def test_a_local_file_that_changed_since_the_commit_is_never_published(s3, tmp_path):

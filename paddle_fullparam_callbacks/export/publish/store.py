@@ -27,6 +27,7 @@ logger = logging.getLogger("paddle_fullparam_callbacks")
 RETRY_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests", "RequestTimeout",
     "InternalError", "ServiceUnavailable", "OperationAborted", "RequestTimeTooSkewed",
+    "ConditionalRequestConflict",  # 409: another conditional write to the key in flight; S3 says to retry
 })
 MAX_BACKOFF_S = 30.0
 
@@ -66,9 +67,11 @@ class Store:
         self._sleep = sleep
         self._lock = threading.Lock()
         self.retried = 0  # requests retried (all threads)
+        # payload_signing_enabled=False: the body is not hashed a second time for the signature (SHA-256, the
+        # slowest hash of the lot); every upload carries Content-MD5, a signed header the store checks
         config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, request_checksum_calculation="when_required",
                         response_checksum_validation="when_required", max_pool_connections=max(10, cfg.concurrency + 4),
-                        connect_timeout=10, read_timeout=300)
+                        connect_timeout=10, read_timeout=300, s3={"payload_signing_enabled": False})
         self.client = boto3.session.Session().client("s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region,
                                                      config=config)
         self.endpoint = self.client.meta.endpoint_url
