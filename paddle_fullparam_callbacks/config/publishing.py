@@ -1,6 +1,7 @@
-"""The rules of the ``publish:`` section (``schema.PublishConfig``): each returns None or the problem as
-``(recipe key, message)``, which the schema raises as a ``ConfigError``. Pure: nothing here touches the
-network; the store itself is proven at the start of training (``export/publish/probe.py``).
+"""The rules of the ``publish:`` section (``schema.PublishConfig``): each finds None or the problem as
+``(recipe key, message)``; :func:`check_publish` and :func:`check_against` raise it as the schema's
+``ConfigError`` (passed in: this module is below the schema). Pure: nothing here touches the network;
+the store itself is proven at the start of training (``export/publish/probe.py``).
 """
 from __future__ import annotations
 
@@ -46,8 +47,16 @@ def parse_s3_url(url: Any) -> Tuple[str, str]:
     return bucket, prefix
 
 
-def check_publish(p) -> Problem:
-    """The publish section on its own (``p.url`` is normalised: no trailing slash)."""
+def check_publish(p, error=None) -> Problem:
+    """The publish section on its own (``p.url`` is normalised: no trailing slash); with ``error`` (an
+    exception class taking (key, message)), a problem is raised as it."""
+    problem = _publish_problem(p)
+    if problem and error is not None:
+        raise error(*problem)
+    return problem
+
+
+def _publish_problem(p) -> Problem:
     if p.url is not None and p.command is not None:
         return "publish.command", "is set together with publish.url: give one of them (a command names its own destination)"
     if p.url is not None:
@@ -93,8 +102,15 @@ def check_publish(p) -> Problem:
     return None
 
 
-def check_against(cfg) -> Problem:
-    """The publish section against the rest of the recipe."""
+def check_against(cfg, error=None) -> Problem:
+    """The publish section against the rest of the recipe (raised as ``error`` when given)."""
+    problem = _against_problem(cfg)
+    if problem and error is not None:
+        raise error(*problem)
+    return problem
+
+
+def _against_problem(cfg) -> Problem:
     pub = cfg.publish
     if pub.enabled and cfg.export.format == "callable":
         return ("publish.url" if pub.url else "publish.command"), "export.format=callable writes no snapshot to publish"

@@ -390,12 +390,7 @@ class PublishConfig:
         return bool(self.url or self.command)
 
     def __post_init__(self):
-        _raise(check_publish(self))
-
-
-def _raise(problem) -> None:
-    if problem:
-        raise ConfigError(*problem)
+        check_publish(self, ConfigError)
 
 
 @dataclass
@@ -431,7 +426,7 @@ class FullParamConfig:
         if self.export.format == "paddle_safetensors" and self.export.aoa not in ("auto",):
             raise ConfigError("export.aoa", "paddle_safetensors keeps Paddle names: leave export.aoa at 'auto'")
         self._check_evaluate()
-        _raise(check_against(self))
+        check_against(self, ConfigError)
 
     def _check_evaluate(self) -> None:
         metric = self.retention.metric
