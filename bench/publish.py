@@ -207,7 +207,7 @@ def main():
     ap.add_argument("--endpoint")
     ap.add_argument("--prefix", default="stall")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--stall-reps", type=int, default=2)
+    ap.add_argument("--stall-reps", type=int, default=3)
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--shard-mb", type=int, default=128)
     ap.add_argument("--part-mb", type=int, default=16)
@@ -252,7 +252,8 @@ def main():
                   "train_seconds_per_interval_median": train,
                   "training_slowdown_on_vs_off": round(train["on"] / train["off"], 4),
                   "hook_seconds_per_commit_max": max(hook) if hook else None,
-                  "publications_ok": all(s == "ok" for r in runs["on"] for s in r["publications"]),
+                  "publications": {st: sum(s == st for r in runs["on"] for s in r["publications"])
+                                   for st in ("ok", "skipped", "failed", "unfinished")},
                   "runs": runs},
         "notes": ["store: moto 5.2.5's S3 server in its own process on loopback, at nice 19 in its own session (it "
                   "stands for another machine); a Python server: it, not the network, bounds both sides' MB/s here",

@@ -91,6 +91,7 @@ class PublishHook:
         self._running: Optional[Publication] = None
         self._done: "queue.Queue[Publication]" = queue.Queue()
         self._undrained: Set[str] = set()
+        self._skipped: List[Publication] = []
         self._thread: Optional[threading.Thread] = None
         self._closing = threading.Event()
         self._waited_s: Optional[float] = None
@@ -186,13 +187,11 @@ class PublishHook:
         best = read_pointer(self.output_dir, "best")
         winners = [newest] + [p for p in self._line if p.name == best and p is not newest]
         for p in self._line:
-            if p not in winners:
+            if p not in winners:  # recorded by the worker thread, outside the lock (the training thread's)
                 p.entry = {**self._base(p), "status": records.SKIPPED,
                            "error": f"publishing fell behind and newer snapshots won ({newest.name} is "
                                     "published instead)"}
-                if identity(p.path) is not None:
-                    self._write(p, p.entry)
-                self._done.put(p)
+                self._skipped.append(p)
         self._line = winners[1:]
         return winners[0]
 
@@ -207,6 +206,14 @@ class PublishHook:
                         return
                     continue
                 self._running = pub
+                skipped, self._skipped = self._skipped, []
+            for p in skipped:
+                try:
+                    if identity(p.path) is not None:
+                        self._write(p, p.entry)
+                except OSError as e:
+                    p.entry["error"] += f" (the record could not be written: {e})"
+                self._done.put(p)
             try:
                 if pub.kind == "snapshot":
                     self._watch(pub) if pub.adopted else self._publish(pub)
