@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 TESTS ?= tests
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: help demo test test-paddleformers test-paddlenlp check-requirements requirements docs bench faults python-path envs clean
+.PHONY: help demo test test-paddleformers test-paddlenlp check-requirements requirements docs bench faults python-path envs fake-device clean
 
 help:
 	@echo "make demo          train a tiny Llama on CPU with the PaddleFormers Trainer, exporting HF snapshots"
@@ -23,9 +23,14 @@ help:
 	@echo "make faults        the long crash loop and bad-input count (bench/results/faults.json)"
 	@echo "make requirements  rewrite requirements/*.txt's lower parts from pyproject.toml's extras"
 	@echo "make python-path   print the main environment's python (creates it if needed)"
+	@echo "make fake-device   build (or find cached) the fake accelerator plugin; prints CUSTOM_DEVICE_ROOT=... and DEVICE=..."
 
 python-path:
 	@$(ENV) paddleformers
+
+# the fake accelerator (fake_device/): two lines on stdout, CUSTOM_DEVICE_ROOT=<dir> and DEVICE=fakedev
+fake-device:
+	@scripts/fake_device.sh paddleformers
 
 envs:
 	@$(ENV) paddleformers >/dev/null && $(ENV) paddlenlp >/dev/null && $(ENV) hf >/dev/null && $(ENV) docs >/dev/null
@@ -63,7 +68,7 @@ test-paddlenlp:
 bench:
 	@PY=$$($(ENV) paddleformers); \
 	$$PY bench/export_single.py && $$PY bench/export_ranks.py && $$PY bench/convert.py && $$PY bench/assembler.py && \
-	$$PY bench/async_stall.py && $$PY bench/lora_merge.py && $$PY bench/eval_stall.py
+	$$PY bench/async_stall.py && $$PY bench/lora_merge.py && $$PY bench/eval_stall.py && $$PY bench/publish.py
 
 faults:
 	@PY=$$($(ENV) paddleformers); \

@@ -51,8 +51,9 @@ def quiet_logs() -> None:
         pass
 
 
-def build_llama(seed: int = 0, dtype: str = "float32"):
-    """PaddleFormers LlamaForCausalLM with LLAMA_KWARGS, deterministic weights, eval mode."""
+def build_llama(seed: int = 0, dtype: str = "float32", device: str = "cpu"):
+    """PaddleFormers LlamaForCausalLM with LLAMA_KWARGS, deterministic weights, eval mode; built on the
+    CPU, then moved to ``device`` (e.g. 'fakedev:0', which also becomes the default place)."""
     import paddle
 
     paddle.set_device("cpu")
@@ -62,6 +63,9 @@ def build_llama(seed: int = 0, dtype: str = "float32"):
 
     model = LlamaForCausalLM(LlamaConfig(**LLAMA_KWARGS))
     model.eval()
+    if device != "cpu":
+        paddle.set_device(device)
+        model.to(device=device)
     return model
 
 
@@ -279,10 +283,11 @@ def write_result(path: Path, result: dict) -> None:
     write_json(path, result)
 
 
-def run_child(argv: List[str], timeout: float = 900) -> dict:
-    """Run ``python argv...`` in a fresh process; its last stdout line must be a JSON object."""
+def run_child(argv: List[str], timeout: float = 900, env: Optional[dict] = None) -> dict:
+    """Run ``python argv...`` in a fresh process (``env``: its environment, default this one's); its last
+    stdout line must be a JSON object."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + "\n" + proc.stderr[-8000:])
         raise RuntimeError(f"child {argv} exited with {proc.returncode}")

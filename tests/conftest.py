@@ -27,3 +27,15 @@ def hf_python() -> str:
             ["bash", str(ROOT / "scripts" / "env.sh"), "hf"], check=True, capture_output=True, text=True
         ).stdout.strip()
     return path
+
+
+@pytest.fixture(scope="session")
+def fake_device() -> Path:
+    """Folder of the fake accelerator plugin (built if needed, see `tests/_fake_device.py`). A build
+    that fails makes the test fail, never skip."""
+    from _fake_device import FakeDeviceError, build
+
+    try:
+        return build()
+    except FakeDeviceError as e:
+        pytest.fail(f"the fake accelerator could not be built:\n{e}", pytrace=False)

@@ -114,7 +114,7 @@ def test_fused_layouts_under_tensor_parallelism_follow_paddlenlps_own_split(tp):
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
     from paddlenlp.transformers import LlamaConfig, LlamaForCausalLM
 
-    from paddle_fullparam_callbacks.assemble.local import assemble_destination, slice_of
+    from paddle_fullparam_callbacks.assemble.arrays import assemble_destination, region_of
     from paddle_fullparam_callbacks.assemble.mapping import build_destination_map
     from paddle_fullparam_callbacks.models.mappings import PRESETS, MappingContext
 
@@ -139,8 +139,8 @@ def test_fused_layouts_under_tensor_parallelism_follow_paddlenlps_own_split(tp):
     stmts = [s for s in PRESETS["llama_paddlenlp"].statements(ctx) if "gate_up" in s or "qkv" in s or "__tmp__" in s]
     info = {k: [ShardedWeightDesc(k, v.shape, v.shape, (0, 0), "float32")] for k, v in glob.items()}
     dmap = build_destination_map(info, {"aoa_statements": stmts})
-    tensors = {k: paddle.to_tensor(v) for k, v in glob.items()}
-    got = {n: assemble_destination(n, dmap, lambda d: slice_of(tensors[d.key], d.global_offset, d.local_shape)).numpy()
+    got = {n: assemble_destination(dmap.entries[n], dmap.spec_by_name[n].dtype,
+                                   lambda d: (region_of(glob[d.key], d.global_offset, d.local_shape), "float32"))[0]
            for n in dmap.names}
     gu = ref["llama.layers.0.mlp.gate_up_fused_proj.weight"]
     per_group = ref["llama.layers.0.self_attn.qkv_proj.weight"].reshape(H, kv, heads // kv + 2, hd)  # PaddleNLP's forward

@@ -5,7 +5,10 @@ keeps its shape — every rank publishes the slices it holds, replicas are de-du
 the lowest rank, slices travel down the vertical (pipe) group and across the horizontal
 (tensor-parallel) group — and fixes its defects:
 
-* no device copies: buffers stay on the tensors' own device (CPU/gloo works, GPU pays nothing);
+* no device memory: slices come to the host through the device boundary (``device.py``), and
+  every buffer, collective and assembly works on host memory over the export's own groups
+  (``host_group.py``); a large slice is broadcast in chunks, so a rank that does not keep it
+  never holds it whole;
 * small slices are **coalesced**: each round, every rank packs its next slices (up to
   ``bucket_bytes``) into one flat byte buffer, and one all-gather per axis moves them all, so
   thousands of norms and biases cost a handful of collective latencies instead of one each;
@@ -25,14 +28,17 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import _dtypes
 from ..plan.topology import Mesh
-from .local import assemble_destination, cast_for_export
+from .arrays import assemble_destination, cast_for_export, storage_view
+from .device import DeviceBoundary
 from .mapping import DestinationMap, MappingError, boxes_intersect
+
+BCAST_CHUNK_BYTES = 64 * 2**20  # a large slice is broadcast in pieces of this size
 
 
 @dataclass(frozen=True)
@@ -139,18 +145,6 @@ def shard_info_from_records(records: Sequence[ShardRecord]) -> Dict[str, list]:
     return info
 
 
-def _to_paddle(arr: np.ndarray, dtype: str):
-    """A Paddle tensor over a host array's memory (no copy). bfloat16 (held as uint16) goes
-    through a uint8 view: Paddle has no uint16 -> bfloat16 view kernel."""
-    import paddle
-
-    arr = np.ascontiguousarray(arr)
-    if dtype == "bfloat16":
-        shape = list(arr.shape)
-        return paddle.from_dlpack(arr.view(np.uint8).reshape(-1)).view("bfloat16").reshape(shape)
-    return paddle.from_dlpack(arr)
-
-
 def plan_read_items(records: Sequence[ShardRecord], dmap: DestinationMap, targets: Sequence[str]) -> List[ReadItem]:
     """The slices the mesh must move to assemble ``targets``, ordered by first use.
 
@@ -227,14 +221,17 @@ class MeshAssembler:
         targets: the destinations the mesh assembles, in yield order (file order).
         keep: the destinations this rank needs (the tensors of the files it writes).
         mesh, rank: the mesh and this rank; h_group / v_group: its row and column groups
-            (v_group None when the mesh has one row, h_group None when it has one column).
-        transforms: source key -> fn(this rank's slice) -> the slice to send (a LoRA merge), made when sent.
+            (``HostGroup``; v_group None when the mesh has one row, h_group None when it has one column).
+        transforms: source key -> fn(this rank's slice as a host array, dtype) -> the slice to send (a
+            LoRA merge), made when sent.
+        boundary: moves this rank's device slices to the host (``DeviceBoundary``).
     """
 
     def __init__(self, sharded_state_dict, records, dmap: DestinationMap, targets: Sequence[str], keep: Iterable[str],
                  mesh: Mesh, rank: int, h_group=None, v_group=None, export_dtype: str = "keep",
-                 bucket_bytes: int = 64 * 2**20, transforms=None):
+                 bucket_bytes: int = 64 * 2**20, transforms=None, boundary=None):
         self.sd = sharded_state_dict
+        self.boundary = boundary or DeviceBoundary()
         self.transforms = dict(transforms or {})
         self.dmap = dmap
         self.mesh = mesh
@@ -272,59 +269,44 @@ class MeshAssembler:
         out = {}
         for it in self.items:
             if len(it.holders) > 1 and self.rank in it.holders:
-                b = self._local_bytes(it)
-                data = np.from_dlpack(b if b.place.is_cpu_place() else b.cpu()) if b is not None else b""
-                out[it.id] = hashlib.sha256(memoryview(data)).hexdigest()[:32]
+                out[it.id] = hashlib.sha256(memoryview(self._local_bytes(it))).hexdigest()[:32]
         return out
 
     # ---- communication -------------------------------------------------------------------
-    def _local_bytes(self, item: ReadItem):
-        """This rank's copy of ``item`` as a flat uint8 Paddle tensor (a view; a transformed slice is new)."""
-        t = self.sd[item.key].local_tensor
+    def _local_bytes(self, item: ReadItem) -> np.ndarray:
+        """This rank's copy of ``item`` as flat host bytes (a CPU slice is shared; a transformed one is new)."""
+        arr, dtype = self.boundary.host_array(self.sd[item.key].local_tensor)
         fn = self.transforms.get(item.key)
         if fn is not None:
-            t = fn(t)
-        if not t.stop_gradient:
-            t = t.detach()  # shares the memory; DLPack refuses tensors that require grad
-        if not t.is_contiguous():
-            t = t.contiguous()
-        return t.reshape([-1]).view("uint8") if t.numel() else None
+            arr = fn(arr, dtype)
+        return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
 
-    def _pack(self, ids: List[int], width: int):
-        import paddle
-
-        parts, used = [], 0
+    def _pack(self, ids: List[int], width: int) -> np.ndarray:
+        buf = np.zeros(width, dtype=np.uint8)
+        off = 0
         for i in ids:
-            b = self._local_bytes(self.items[i])
-            if b is not None:
-                parts.append(b)
-                used += self.items[i].nbytes
-        if used < width:
-            parts.append(paddle.zeros([width - used], dtype="uint8"))
-        return paddle.concat(parts) if len(parts) > 1 else parts[0]
+            n = self.items[i].nbytes
+            if n:
+                buf[off:off + n] = self._local_bytes(self.items[i])
+            off += n
+        return buf
 
-    def _gather(self, rnd: Round) -> Dict[int, object]:
+    def _gather(self, rnd: Round) -> Dict[int, np.ndarray]:
         """One gather round: returns {rank: its flat buffer} for every rank of the mesh."""
-        import paddle
-        import paddle.distributed as dist
-
         buf = self._pack(rnd.items.get(self.rank, []), rnd.width)
         rows = self.mesh.rows
         # vertical: my column's buffers, in pipe order
         if len(rows) > 1:
-            col: List = []
-            dist.all_gather(col, buf, group=self.v_group)
+            col_buf = self.v_group.all_gather(buf).reshape(-1)
             self.collectives += 1
-            col_buf = paddle.concat(col)
         else:
             col_buf = buf
         # horizontal: every column's buffer
         if len(rows[0]) > 1:
-            row: List = []
-            dist.all_gather(row, col_buf, group=self.h_group)
+            row = self.h_group.all_gather(col_buf)
             self.collectives += 1
         else:
-            row = [col_buf]
+            row = col_buf.reshape(1, -1)
         self.bytes_moved += rnd.width * self.mesh.size
         out = {}
         for hi, cb in enumerate(row):
@@ -332,46 +314,49 @@ class MeshAssembler:
                 out[rows[vi][hi]] = cb[vi * rnd.width:(vi + 1) * rnd.width]
         return out
 
-    def _bcast(self, item: ReadItem):
-        """One large item to every rank of the mesh: down its column, then along each row."""
-        import paddle
-        import paddle.distributed as dist
-
+    def _bcast(self, item: ReadItem) -> Optional[np.ndarray]:
+        """One large item to every rank of the mesh: down its column, then along each row, in chunks.
+        Returns the item's bytes where this rank keeps it (None elsewhere: only a chunk was held)."""
         src = item.src
-        if self.rank == src:
-            buf = self._local_bytes(item) if item.key in self.transforms else self._local_bytes(item).clone()
-        else:
-            buf = paddle.empty([item.nbytes], dtype="uint8")
+        keep = item.id in self._users
+        dest = np.empty(item.nbytes, dtype=np.uint8) if keep else None
+        mine = self._local_bytes(item) if self.rank == src else None
+        scratch = None
         src_col = self.mesh.v_ranks(src)
-        if len(self.mesh.rows) > 1 and self.rank in src_col:
-            dist.broadcast(buf, src=src, group=self.v_group)
-            self.collectives += 1
-        if len(self.mesh.rows[0]) > 1:
-            row = self.mesh.h_ranks(self.rank)
-            row_src = next(r for r in row if r in src_col)
-            dist.broadcast(buf, src=row_src, group=self.h_group)
-            self.collectives += 1
+        for start in range(0, item.nbytes, BCAST_CHUNK_BYTES):
+            n = min(BCAST_CHUNK_BYTES, item.nbytes - start)
+            if dest is not None:
+                buf = dest[start:start + n]
+            else:
+                scratch = scratch if scratch is not None else np.empty(min(BCAST_CHUNK_BYTES, item.nbytes), np.uint8)
+                buf = scratch[:n]
+            if mine is not None:
+                buf[...] = mine[start:start + n]  # a copy: the collective never writes into the model's memory
+            if len(self.mesh.rows) > 1 and self.rank in src_col:
+                self.v_group.broadcast(buf, src)
+                self.collectives += 1
+            if len(self.mesh.rows[0]) > 1:
+                row = self.mesh.h_ranks(self.rank)
+                self.h_group.broadcast(buf, next(r for r in row if r in src_col))
+                self.collectives += 1
         self.bytes_moved += item.nbytes
-        return buf
+        return dest
 
     # ---- assembly --------------------------------------------------------------------------
-    def _accept(self, item: ReadItem, flat) -> None:
-        if item.id not in self._users:
+    def _accept(self, item: ReadItem, flat: Optional[np.ndarray], copy: bool) -> None:
+        """Keep ``item``'s bytes if a destination of this rank needs them (``copy``: out of a round's
+        buffer, so the small slices of a round do not keep the whole round's buffer alive)."""
+        if item.id not in self._users or flat is None:
             return  # nobody here needs it: dropped on arrival
-        dt = _dtypes.lookup(item.dtype)
-        if not flat.place.is_cpu_place():
-            flat = flat.cpu()
-        arr = np.from_dlpack(flat)[: item.nbytes]
-        # copied out of the collective's buffer: keeping DLPack views of all_gather outputs alive
-        # across later collectives made gloo time out in the 4-rank tests (Paddle 3.3.1)
-        self._store[item.id] = arr.view(dt.np_storage).reshape(item.shape).copy()
+        flat = flat[: item.nbytes]
+        self._store[item.id] = storage_view(flat.copy() if copy else flat, item.dtype, item.shape)
 
-    def _source_slice(self, desc):
+    def _source_slice(self, desc) -> Tuple[np.ndarray, str]:
         """The source region ``desc`` stitched from the stored slices (checking that overlaps agree)."""
         dt = _dtypes.lookup(desc.dtype or "float32")
         for it in self._items_by_key.get(desc.key, ()):
             if it.id in self._store and it.offset == tuple(desc.global_offset) and it.shape == tuple(desc.local_shape):
-                return _to_paddle(self._store[it.id], dt.name)  # one slice is the whole region: no copy
+                return self._store[it.id], dt.name  # one slice is the whole region: no copy
         out = np.empty(desc.local_shape, dtype=dt.np_storage)
         filled = np.zeros(desc.local_shape, dtype=bool)
         for it in self._items_by_key.get(desc.key, ()):
@@ -392,7 +377,7 @@ class MeshAssembler:
             filled[dst_ix] = True
         if not filled.all():
             raise MappingError(f"parameter {desc.key!r}: the mesh's slices do not cover the region {list(desc.global_offset)}+{list(desc.local_shape)}")
-        return _to_paddle(out, dt.name)
+        return out, dt.name
 
     def _ready(self, item_ids: Iterable[int]) -> List[str]:
         ready = []
@@ -414,36 +399,34 @@ class MeshAssembler:
                         self._store.pop(it.id, None)
                         del self._pending_uses[it.id]
 
-    def run(self) -> Iterator[Tuple[str, object]]:
-        import paddle
-
+    def run(self) -> Iterator[Tuple[str, np.ndarray]]:
         self._items_by_key: Dict[str, List[ReadItem]] = defaultdict(list)
         for it in self.items:
             self._items_by_key[it.key].append(it)
         # targets with no source at all (impossible after the coverage check) are not waited for
-        with paddle.no_grad():
-            for rnd in self.rounds:
-                if rnd.kind == "gather":
-                    bufs = self._gather(rnd)
-                    arrived = []
-                    for r, ids in rnd.items.items():
-                        off = 0
-                        for i in ids:
-                            it = self.items[i]
-                            self._accept(it, bufs[r][off:off + it.nbytes])
-                            off += it.nbytes
-                            arrived.append(i)
-                else:
-                    (i,) = next(iter(rnd.items.values()))
-                    self._accept(self.items[i], self._bcast(self.items[i]))
-                    arrived = [i]
-                for name in self._ready(arrived):
-                    if self.errors:
-                        self._release(name)
-                        continue  # keep taking part in the collectives; the caller reports
-                    try:
-                        t = assemble_destination(name, self.dmap, self._source_slice)
-                        yield name, cast_for_export(t, self.export_dtype)
-                    except MappingError as e:
-                        self.errors.append(str(e))
+        for rnd in self.rounds:
+            if rnd.kind == "gather":
+                bufs = self._gather(rnd)
+                arrived = []
+                for r, ids in rnd.items.items():
+                    off = 0
+                    for i in ids:
+                        it = self.items[i]
+                        self._accept(it, bufs[r][off:off + it.nbytes], copy=True)
+                        off += it.nbytes
+                        arrived.append(i)
+            else:
+                (i,) = next(iter(rnd.items.values()))
+                self._accept(self.items[i], self._bcast(self.items[i]), copy=False)
+                arrived = [i]
+            for name in self._ready(arrived):
+                if self.errors:
                     self._release(name)
+                    continue  # keep taking part in the collectives; the caller reports
+                try:
+                    arr, dtype = assemble_destination(self.dmap.entries[name], self.dmap.spec_by_name[name].dtype,
+                                                      self._source_slice)
+                    yield name, cast_for_export(arr, dtype, self.export_dtype)
+                except MappingError as e:
+                    self.errors.append(str(e))
+                self._release(name)

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 from typing import Iterator, Tuple
 
-from .local import cast_for_export
+from .arrays import cast_for_export, to_paddle
+from .device import dtype_of, host_array
 
 
 def run_paddle_full_param(sharded_state_dict, aoa_config, export_dtype: str = "keep", transforms=None,
                           **group_kwargs) -> Iterator[Tuple[str, object]]:
     """``transforms`` (source key -> fn of the local slice, a LoRA merge): applied to every such slice
     before ``full_param`` runs, so all transformed slices are held at once (a cross-check, not the
-    bounded path of the builtin assemblers)."""
+    bounded path of the builtin assemblers). Paddle's ``full_param`` assembles where the parameters
+    are: parameters on an accelerator are refused when the export is planned (``planning.py``)."""
     import copy
 
     import paddle
@@ -26,6 +28,7 @@ def run_paddle_full_param(sharded_state_dict, aoa_config, export_dtype: str = "k
             for key, fn in transforms.items():
                 if key in sharded_state_dict:
                     sw = sharded_state_dict[key] = copy.copy(sharded_state_dict[key])
-                    sw.local_tensor = fn(sw.local_tensor)
+                    dtype = dtype_of(sw.local_tensor)
+                    sw.local_tensor = to_paddle(fn(host_array(sw.local_tensor), dtype), dtype)
         for name, tensor in full_param(sharded_state_dict, aoa_config=aoa_config or {}, **group_kwargs):
-            yield name, cast_for_export(tensor, export_dtype)
+            yield name, cast_for_export(host_array(tensor), dtype_of(tensor), export_dtype)

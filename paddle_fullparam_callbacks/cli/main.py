@@ -1,4 +1,4 @@
-"""``paddle-fullparam``: demo | verify | convert | evaluate | publish | plan | recipes."""
+"""``paddle-fullparam``: demo | verify | convert | evaluate | publish | plan | selfcheck | recipes."""
 from __future__ import annotations
 
 import argparse
@@ -309,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--files", type=_count(1), default=8, help="number of shard files to assign to writers (default 8)")
     pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     pl.set_defaults(func=_cmd_plan)
+
+    from .selfcheck import add_parser as add_selfcheck
+
+    add_selfcheck(sub)
 
     text = "list the bundled recipes with what each does"
     r = sub.add_parser("recipes", help=text, description=text + ".")

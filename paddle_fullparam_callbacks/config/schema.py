@@ -39,9 +39,9 @@ def _check_choice(key: str, value: Any, choices: tuple) -> None:
         raise ConfigError(key, f"must be one of {', '.join(choices)}; got {value!r}")
 
 
-def _check_size(key: str, value: Any) -> int:
+def _check_size(key: str, value: Any, allow_zero: bool = False) -> int:
     try:
-        return parse_size(value)
+        return parse_size(value, allow_zero)
     except ValueError as e:
         raise ConfigError(key, str(e)) from e
 
@@ -122,6 +122,11 @@ class ExportConfig:
     peft_adapter: str = "none"
     """A LoRA model: none | inside (also a Hugging Face peft adapter in <snapshot>/adapter/:
     adapter_model.safetensors and adapter_config.json, committed with the snapshot). Other models: ignored."""
+    device_memory_budget: str = "64MB"
+    """Parameters on an accelerator: the most device memory an export allocates at any moment, whatever
+    the model's largest tensor ('0' allowed). Slices are copied to host memory in chunks (views: no
+    device memory) and assembled there; a cast to export.dtype runs on the device chunk by chunk when
+    a chunk fits in this budget, on the host otherwise. CPU parameters: ignored."""
 
     def __post_init__(self):
         _check_choice("export.format", self.format, EXPORT_FORMATS)
@@ -133,6 +138,7 @@ class ExportConfig:
                                                      f"export.format=hf_safetensors, not {self.format!r}")
         _check_size("export.max_shard_size", self.max_shard_size)
         _check_size("export.max_pending_bytes", self.max_pending_bytes)
+        _check_size("export.device_memory_budget", self.device_memory_budget, allow_zero=True)
         t = self.timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0):
             raise ConfigError("export.timeout_s", f"must be a number of seconds > 0 (or null: no timeout); got {t!r}")
@@ -180,6 +186,10 @@ class ExportConfig:
     @property
     def max_pending(self) -> int:
         return parse_size(self.max_pending_bytes)
+
+    @property
+    def device_budget(self) -> int:
+        return parse_size(self.device_memory_budget, allow_zero=True)
 
 
 @dataclass

@@ -12,17 +12,18 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)  # ASCII digits only
 
 
-def parse_size(value: "str | int") -> int:
+def parse_size(value: "str | int", allow_zero: bool = False) -> int:
     """Parse a size in bytes; decimal units (KB, MB, GB) as Hugging Face uses them, binary with "i".
+    ``allow_zero``: 0 is a size too (a budget that allows nothing).
 
-    >>> parse_size("5GB"), parse_size("500MB"), parse_size("1KiB"), parse_size(7)
-    (5000000000, 500000000, 1024, 7)
+    >>> parse_size("5GB"), parse_size("500MB"), parse_size("1KiB"), parse_size(7), parse_size("0", allow_zero=True)
+    (5000000000, 500000000, 1024, 7, 0)
     """
     if isinstance(value, bool):
         raise ValueError(f"not a size: {value!r}")
     if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"size must be positive, got {value}")
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ValueError(f"size must be {'>= 0' if allow_zero else 'positive'}, got {value}")
         return value
     m = _SIZE_RE.match(str(value))
     if not m:
@@ -36,7 +37,7 @@ def parse_size(value: "str | int") -> int:
     if exact != exact.to_integral_value():
         raise ValueError(f"{value!r} is not a whole number of bytes ({exact} B); e.g. '2B', '1.5KB', '500MB'")
     size = int(exact)
-    if size <= 0:
+    if size == 0 and not allow_zero:
         raise ValueError(f"size must be positive, got {value!r}")
     return size
 

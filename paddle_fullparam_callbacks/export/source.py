@@ -78,8 +78,9 @@ class ModelSource:
     # slices read from files (convert): when set, sharded_state_dict is not called and the
     # records and tensors come from here; a live model may still give names, config and mapping
     tensors: Optional[TensorSource] = None
-    # source key -> fn(this rank's slice of it, as the source holds it) -> the slice to export, same
-    # shape and dtype; applied by the assemblers when the slice is first read, dropped once used
+    # source key -> fn(this rank's slice of it as a host array, its dtype name) -> the slice to export,
+    # a host array of the same shape and dtype; applied by the assemblers when the slice is first
+    # read (after the device boundary: on the host), dropped once used
     local_transforms: Dict[str, Callable[[Any], Any]] = field(default_factory=dict)
     companions: List[Companion] = field(default_factory=list)
 

@@ -89,6 +89,24 @@ class TopologyPlan:
     def _mesh_index(self) -> Dict[int, int]:
         return {r: m.index for m in self.meshes for r in m.ranks}
 
+    def export_groups(self) -> List[Tuple[int, ...]]:
+        """The export's own process groups, in the one order every rank creates them: the whole world
+        (decisions, plans, statuses), then each mesh's rows and columns of more than one rank (the
+        assembler's collectives). Each group lists its ranks in mesh order (a row by horizontal index,
+        a column by pipe index), which is the order its gathers return.
+
+        >>> plan_topology([("pipe", 2), ("model", 2)]).export_groups()
+        [(0, 1, 2, 3), (0, 1), (2, 3), (0, 2), (1, 3)]
+        >>> plan_topology([("data", 2)]).export_groups()
+        [(0, 1)]
+        """
+        groups: List[Tuple[int, ...]] = [tuple(range(self.world_size))]
+        for m in self.meshes:
+            groups += [tuple(row) for row in m.rows if len(row) > 1]
+            if len(m.rows) > 1:
+                groups += [tuple(col) for col in zip(*m.rows)]
+        return groups
+
     def as_dict(self) -> dict:
         return {
             "axes": [list(a) for a in self.axes],

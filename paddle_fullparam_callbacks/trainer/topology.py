@@ -1,9 +1,10 @@
 """From the live job to a :class:`DistContext`: axes, sharding stage, mesh groups.
 
-Groups come from Paddle's ``HybridCommunicateGroup`` where it has them (the tensor-parallel
-group is a mesh row, the pipeline group a mesh column); any other group the plan needs is
-created here, collectively, in one fixed order on every rank. This runs at ``on_train_begin``,
-never inside an export.
+The export talks over gloo groups of its own (``host_groups.py``): the world and each mesh's rows
+and columns, created here, collectively, in one fixed order on every rank. Paddle's
+``HybridCommunicateGroup`` is read for the job's axes, and its tensor-parallel and pipeline groups
+are checked against the plan's rows and columns. This runs at ``on_train_begin``, never inside an
+export.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Optional
 from ..export.session.distributed import DistContext, LocalContext
 from ..models.fleet import model_config
 from ..plan.topology import TopologyPlan, plan_topology
+from .host_groups import create_host_groups
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 
@@ -95,26 +97,21 @@ def build_context(args=None, sharding_stage: Optional[int] = None, expert_axes: 
         raise ValueError(f"the topology {plan.axes} has {plan.world_size} ranks but the job has {world}")
     mesh = plan.mesh_of(rank)
     h_ranks, v_ranks = list(mesh.h_ranks(rank)), list(mesh.v_ranks(rank))
-    h_group = v_group = None
-    if hcg is not None and len(v_ranks) > 1:
-        v_group = hcg.get_pipe_parallel_group()
-        _check_same("pipeline", list(v_group.ranks), v_ranks)
-    if len(h_ranks) > 1:
-        if plan.horizontal_axes == ("model",):
-            h_group = hcg.get_model_parallel_group()
-            _check_same("tensor-parallel", list(h_group.ranks), h_ranks)
-        else:
-            # rows Paddle has no group for (e.g. sharding stage 3 joins the mesh): every rank
-            # creates every row, in mesh order, so that the collective creation matches up
-            for m in plan.meshes:
-                for row in m.rows:
-                    g = dist.new_group(list(row))
-                    if rank in row:
-                        h_group = g
-    ctx = DistContext(rank=rank, world_size=world, topology=plan, h_group=h_group, v_group=v_group)
+    paddle_h = paddle_v = None
     if hcg is not None:
-        ctx.paddle_h_group = h_group if h_group is not None else hcg.get_model_parallel_group()
-        ctx.paddle_v_group = v_group if v_group is not None else hcg.get_pipe_parallel_group()
+        # the job's own groups must be the plan's rows and columns (a check of our reading of the
+        # topology); kept for assembler=paddle, which runs Paddle's full_param over them
+        paddle_h, paddle_v = hcg.get_model_parallel_group(), hcg.get_pipe_parallel_group()
+        if len(v_ranks) > 1:
+            _check_same("pipeline", list(paddle_v.ranks), v_ranks)
+        if len(h_ranks) > 1 and plan.horizontal_axes == ("model",):
+            _check_same("tensor-parallel", list(paddle_h.ranks), h_ranks)
+    groups = plan.export_groups()
+    made = dict(zip(groups, create_host_groups(groups, rank)))
+    ctx = DistContext(rank=rank, world_size=world, topology=plan, world_group=made[groups[0]],
+                      h_group=made.get(tuple(h_ranks)) if len(h_ranks) > 1 else None,
+                      v_group=made.get(tuple(v_ranks)) if len(v_ranks) > 1 else None)
+    ctx.paddle_h_group, ctx.paddle_v_group = paddle_h, paddle_v
     return ctx
 
 

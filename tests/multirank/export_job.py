@@ -43,6 +43,8 @@ def main():
     ap.add_argument("--dtype", default="keep")
     ap.add_argument("--bucket", default="2MB", help="topology.bucket_bytes: small forces many rounds and broadcasts")
     ap.add_argument("--param-dtype", default="float32", help="dtype of the model's parameters (bfloat16: bf16 training)")
+    ap.add_argument("--device", default="cpu", help="where the parameters live (fakedev: the fake accelerator)")
+    ap.add_argument("--budget", default=None, help="export.device_memory_budget")
     ns = ap.parse_args()
 
     import paddle.distributed as dist
@@ -50,7 +52,7 @@ def main():
 
     from paddle_fullparam_callbacks import FullParamExportCallback
 
-    hcg = harness.init_fleet(dp=ns.dp, mp=ns.mp, pp=ns.pp, sharding=ns.sharding)
+    hcg = harness.init_fleet(dp=ns.dp, mp=ns.mp, pp=ns.pp, sharding=ns.sharding, device=ns.device)
     rank = dist.get_rank()
     model = harness.TinyParallelLlama(hcg=hcg)
     if ns.param_dtype != "float32":
@@ -60,7 +62,8 @@ def main():
     model.sharded_state_dict = lambda: harness.sharded_state_dict(model)  # see harness docstring
     common = ["trigger.every_n_steps=2", "trigger.on_save=true", "trigger.on_train_end=true",
               "export.max_shard_size=3KB", f"export.dtype={ns.dtype}", "export.aoa=" + json.dumps(AOA),
-              "retention.keep_last=0", "on_error=raise", f"topology.bucket_bytes={ns.bucket}"]
+              "retention.keep_last=0", "on_error=raise", f"topology.bucket_bytes={ns.bucket}",
+              *([f"export.device_memory_budget={ns.budget}"] if ns.budget else [])]
     callbacks = [FullParamExportCallback(None, overrides=[f"output_dir={ns.out}/builtin", *common])]
     if ns.paddle:
         callbacks.append(FullParamExportCallback(None, overrides=[f"output_dir={ns.out}/paddle", "assembler=paddle", *common]))
@@ -68,14 +71,15 @@ def main():
     args = types.SimpleNamespace(output_dir=ns.out)
     state, control = TrainerState(), TrainerControl()
     handler.on_train_begin(args, state, control)
+    peaks = []  # the device's allocation peak of each event, above what it held before (None on CPU)
     for step in range(1, 5):
         harness.perturb(model, step)
         harness.dump_shards(harness.sharded_state_dict(model), f"{ns.out}/dump/step-{step}")
         state.global_step = step
-        handler.on_step_end(args, state, control)
+        peaks.append(harness.device_peak(lambda: handler.on_step_end(args, state, control))[1])
         if step == 3:
-            handler.on_save(args, state, control)
-    handler.on_train_end(args, state, control)
+            peaks.append(harness.device_peak(lambda: handler.on_save(args, state, control))[1])
+    peaks.append(harness.device_peak(lambda: handler.on_train_end(args, state, control))[1])
     dist.barrier()
     cb = callbacks[0]
     print("EXPORT " + json.dumps({
@@ -86,6 +90,9 @@ def main():
         "files_written_here": [s.files_written_here for s in cb.snapshots],
         "mesh": [list(r) for r in cb.session.ctx.mesh.rows],
         "num_splits": cb.session.ctx.topology.num_splits,
+        "device_peaks": peaks,
+        "places": sorted({str(p.place) for p in model.parameters()}),
+        "device_to_host_s": [s.timings.get("device_to_host_s") for s in cb.snapshots],
     }), flush=True)
 
 

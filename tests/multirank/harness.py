@@ -18,7 +18,7 @@ API
 - ``dump_shards(sd, path) -> file``; ``reassemble(dump_dir) -> {key: np.ndarray}``
 - ``tensor_to_numpy_bits(t)``, ``dtype_name(t)``, ``np_storage_dtype(name)``
 - ``gloo_safe_group_creation()``: context manager, for groups a test creates itself after ``init_fleet``
-- ``run_launch(script, args, nproc=4, log_dir=None, timeout=300) -> LaunchResult`` (from pytest,
+- ``run_launch(script, args, nproc=4, log_dir=None, timeout=300, devices=None) -> LaunchResult`` (from pytest,
   outside the ranks): runs ``python -m paddle.distributed.launch``, kills the whole process group on
   timeout, returns rc, wall time, per-rank logs and tagged JSON lines (``result.tagged("PROBE")``)
 
@@ -111,6 +111,7 @@ import json
 import os
 import sys
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,7 +225,7 @@ barrier_after_new_group = gloo_safe_group_creation  # the name used in CPU_CLUST
 _STATE: dict = {}
 
 
-def init_fleet(dp=1, mp=1, pp=1, sharding=1, sep=1, sharding_stage=1, seed=0, fresh_store=None):
+def init_fleet(dp=1, mp=1, pp=1, sharding=1, sep=1, sharding_stage=1, seed=0, fresh_store=None, device="cpu"):
     """``fleet.init(is_collective=True)`` with ``hybrid_configs`` for these degrees (axis order the
     default ["data", "pipe", "sharding", "sep", "context", "model"]), applying the gloo
     group-creation fix only for the duration of ``fleet.init``. Returns the HybridCommunicateGroup.
@@ -243,7 +244,7 @@ def init_fleet(dp=1, mp=1, pp=1, sharding=1, sep=1, sharding_stage=1, seed=0, fr
     world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
     if dp * mp * pp * sharding * sep != world:
         raise ValueError(f"dp*mp*pp*sharding*sep = {dp * mp * pp * sharding * sep} != world size {world}")
-    paddle.set_device("cpu")
+    paddle.set_device(device)
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {
         "dp_degree": dp,
@@ -258,7 +259,11 @@ def init_fleet(dp=1, mp=1, pp=1, sharding=1, sep=1, sharding_stage=1, seed=0, fr
     t0 = time.perf_counter()
     if fresh_store is None:
         fresh_store = os.environ.get("PFC_HARNESS_FRESH_STORE", "1") != "0"
-    with gloo_safe_group_creation(fresh_store=fresh_store) as wrapper:
+    if device == "cpu":
+        with gloo_safe_group_creation(fresh_store=fresh_store) as wrapper:
+            fleet.init(is_collective=True, strategy=strategy)
+    else:
+        wrapper = types.SimpleNamespace(created=[])
         fleet.init(is_collective=True, strategy=strategy)
     _STATE.update(
         degrees=dict(dp=dp, mp=mp, pp=pp, sharding=sharding, sep=sep),
@@ -272,6 +277,22 @@ def init_fleet(dp=1, mp=1, pp=1, sharding=1, sep=1, sharding_stage=1, seed=0, fr
     np.random.seed(seed)
     assert dist.get_world_size() == world
     return fleet.get_hybrid_communicate_group()
+
+
+def device_peak(fn):
+    """``(fn(), peak)``: ``peak`` is the most device memory Paddle's allocator held while ``fn`` ran, minus
+    what it held before (the export's own device memory); None when the current place is the CPU."""
+    import paddle
+
+    place = paddle.framework._current_expected_place()
+    if place.is_cpu_place():
+        return fn(), None
+    name = f"{paddle.device.get_device().split(':')[0]}:{place.get_device_id()}"
+    paddle.device.synchronize()
+    paddle.device.reset_max_memory_allocated(name)
+    before = paddle.device.memory_allocated(name)
+    result = fn()
+    return result, paddle.device.max_memory_allocated(name) - before
 
 
 def harness_config() -> dict:
@@ -757,17 +778,23 @@ class LaunchResult:
         return "\n".join(parts)
 
 
-def run_launch(script, args=(), nproc=4, log_dir=None, timeout=300, python=None, env=None) -> LaunchResult:
+def run_launch(script, args=(), nproc=4, log_dir=None, timeout=300, python=None, env=None,
+               devices=None) -> LaunchResult:
     """``python -m paddle.distributed.launch --nproc_per_node N --log_dir LOG script args`` in its own
     session; on timeout the whole process group (launcher and ranks) is killed (SIGTERM, then
-    SIGKILL). Per-rank output is read from ``LOG/workerlog.<rank>``."""
+    SIGKILL). Per-rank output is read from ``LOG/workerlog.<rank>``.
+
+    ``devices`` (device ids) adds ``--devices 0,1,...``: for an accelerator, rank i gets the i-th
+    (``tests/_fake_device.py``'s ``launch`` passes it with the fake accelerator's environment: the
+    launcher picks a custom device type whenever ``CUSTOM_DEVICE_ROOT`` loads one)."""
     import signal
     import subprocess
     import tempfile
 
     log_dir = str(log_dir or tempfile.mkdtemp(prefix="pfc_launch_"))
+    device_args = ["--devices", ",".join(str(d) for d in devices)] if devices is not None else []
     cmd = [python or sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
-           "--log_dir", log_dir, str(script), *[str(a) for a in args]]
+           *device_args, "--log_dir", log_dir, str(script), *[str(a) for a in args]]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)

@@ -235,7 +235,7 @@ def where(e: BaseException) -> str:
     return f"{type(e).__name__}: {e} at {Path(frame.filename).name}:{frame.lineno} {frame.line}"
 
 
-def run_case(case: PipeCase, topology: str, out: Path, hcg) -> dict:
+def run_case(case: PipeCase, topology: str, out: Path, hcg, budget=None) -> dict:
     import types
 
     import paddle.distributed as dist
@@ -252,6 +252,7 @@ def run_case(case: PipeCase, topology: str, out: Path, hcg) -> dict:
         rep["build_error"] = where(e)
         return rep
     rep["values_set"] = set_trained_values(case, model, mp, r)
+    rep["places"] = sorted({str(p.place) for p in model.parameters()})
     sd = model.sharded_state_dict()
     rep["layers"] = sorted({int(m.group(1)) for k in sd for m in [re.match(r"model\.layers\.(\d+)\.", k)] if m})
     rep["segment_parts"] = [int(p) for p in getattr(model, "segment_parts", [])]
@@ -259,14 +260,14 @@ def run_case(case: PipeCase, topology: str, out: Path, hcg) -> dict:
     rep["embedding"], rep["padding_idx"] = embedding_layer(model)
     rep["hf_config"] = described_config(model)
     cb = FullParamExportCallback(None, overrides=[f"output_dir={out / 'snap' / case.id}", "trigger.every_n_steps=1",
-                                                  *EXPORT])
+                                                  *EXPORT, *([f"export.device_memory_budget={budget}"] if budget else [])])
     handler = CallbackHandler([cb], model, None, None, None)
     args = types.SimpleNamespace(output_dir=str(out))
     state, control = TrainerState(), TrainerControl()
     try:
         handler.on_train_begin(args, state, control)
         state.global_step = STEP
-        handler.on_step_end(args, state, control)
+        rep["device_peak"] = harness.device_peak(lambda: handler.on_step_end(args, state, control))[1]
         handler.on_train_end(args, state, control)
     except Exception as e:  # the package reports a failed plan or export on every rank alike
         rep["export_error"] = f"{type(e).__name__}: {e}"
@@ -290,7 +291,7 @@ def launched(ns) -> None:
     if not hasattr(dist.ParallelEnv(), "_device_id"):
         dist.ParallelEnv._device_id = 0
     topology = "pp2xmp2" if ns.mp > 1 else "pp2"
-    hcg = harness.init_fleet(mp=ns.mp, pp=ns.pp)
+    hcg = harness.init_fleet(mp=ns.mp, pp=ns.pp, device=ns.device)
     from paddle_fullparam_callbacks.cli.demo import quiet_framework_logs
 
     quiet_framework_logs()
@@ -299,7 +300,7 @@ def launched(ns) -> None:
     for case in CASES:
         if ns.only and case.id not in ns.only.split(","):
             continue
-        rep = run_case(case, topology, out, hcg)
+        rep = run_case(case, topology, out, hcg, ns.budget)
         print("PIPE " + json.dumps(rep), flush=True)
         reports.append(rep)
     (out / f"report-rank{dist.get_rank()}.json").write_text(json.dumps(reports, indent=1))
@@ -467,6 +468,8 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated case ids")
     ap.add_argument("--reference", help="the directory holding one sub-directory per topology")
     ap.add_argument("--topologies", default="pp2,pp2xmp2")
+    ap.add_argument("--device", default="cpu", help="where the parameters live (fakedev: the fake accelerator)")
+    ap.add_argument("--budget", default=None, help="export.device_memory_budget")
     ns = ap.parse_args()
     if ns.reference:
         reference(ns)

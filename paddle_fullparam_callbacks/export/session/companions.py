@@ -29,19 +29,20 @@ _ONE_FILE = 1 << 62
 
 
 def write_companions(ctx, config: FullParamConfig, p: PreparedExport, source: ModelSource,
-                     staging: Optional[Path]) -> Dict[str, dict]:
-    """Every rank calls it; returns, on the coordinator, {directory: {file: (bytes, digest)}}."""
+                     staging: Optional[Path], boundary=None) -> Dict[str, dict]:
+    """Every rank calls it; returns, on the coordinator, {directory: {file: (bytes, digest)}}.
+    ``boundary``: the export's ``DeviceBoundary`` (the companions' slices leave the device there too)."""
     out: Dict[str, dict] = {}
     if ctx.coordinator not in ctx.mesh.ranks:
         return out
     for comp in source.companions:
-        files = _one(ctx, config, p, comp, staging)
+        files = _one(ctx, config, p, comp, staging, boundary)
         if files is not None:
             out[comp.directory] = files
     return out
 
 
-def _one(ctx, config, p: PreparedExport, comp: Companion, staging: Optional[Path]) -> Optional[dict]:
+def _one(ctx, config, p: PreparedExport, comp: Companion, staging: Optional[Path], boundary) -> Optional[dict]:
     mine = ctx.rank == ctx.coordinator
     sd = comp.sharded_state_dict() if comp.tensors is None else None
     if comp.tensors is not None:
@@ -59,10 +60,11 @@ def _one(ctx, config, p: PreparedExport, comp: Companion, staging: Optional[Path
 
         stream = FileAssembler(comp.tensors, dmap).run(names)
     elif ctx.mesh.size == 1:
-        stream = LocalAssembler(sd, dmap).run(names if mine else [])
+        stream = LocalAssembler(sd, dmap, boundary=boundary).run(names if mine else [])
     else:
         asm = MeshAssembler(sd, records, dmap, names, set(names) if mine else set(), ctx.mesh, ctx.rank,
-                            ctx.h_group, ctx.v_group, "keep", config.topology.bucket_for(ctx.mesh.size))
+                            ctx.h_group, ctx.v_group, "keep", config.topology.bucket_for(ctx.mesh.size),
+                            boundary=boundary)
         stream = asm.run()
     tensors = {name: to_host_array(t) for name, t in stream}
     if comp.tensors is None and ctx.mesh.size > 1 and asm.errors:

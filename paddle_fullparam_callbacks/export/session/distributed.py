@@ -1,8 +1,8 @@
 """The communication an export needs beyond the assembler: a small context object.
 
-``DistContext`` carries this rank's place in the topology plan and the groups created at
-``on_train_begin``; ``LocalContext`` is the single-process stand-in with the same interface,
-so one export flow serves both.
+``DistContext`` carries this rank's place in the topology plan and the export's own host groups
+created at ``on_train_begin`` (``trainer/host_groups.py``); ``LocalContext`` is the single-process
+stand-in with the same interface, so one export flow serves both.
 """
 from __future__ import annotations
 
@@ -53,8 +53,9 @@ class LocalContext:
 
 @dataclass
 class DistContext(LocalContext):
-    """A rank of a multi-rank job. ``h_group``/``v_group``: this rank's row and column groups
-    (None where the mesh has a single column/row); collectives on the world use the default group."""
+    """A rank of a multi-rank job. ``world_group``, ``h_group``, ``v_group``: the export's own host
+    groups (``assemble.host_group.HostGroup``): the whole job, this rank's mesh row and column (None
+    where the mesh has a single column/row)."""
 
     world_group: Any = None
     # Paddle's own mp / pp groups (even of one rank), for assembler=paddle, whose HV path needs both
@@ -62,12 +63,9 @@ class DistContext(LocalContext):
     paddle_v_group: Any = None
 
     def all_gather_object(self, obj, group=None, what: str = "exchange") -> List[Any]:
-        import paddle.distributed as dist
-
-        out: List[Any] = []
-        with self.waiting(what, None if group is None else self.mesh_ranks):
-            dist.all_gather_object(out, obj, group=group if group is not None else self.world_group)
-        return out
+        group = group if group is not None else self.world_group
+        with self.waiting(what, None if group is self.world_group else self.mesh_ranks):
+            return group.all_gather_object(obj)
 
     def mesh_gather_object(self, obj, what: str = "mesh exchange") -> List[Any]:
         """Every mesh rank's object, rows (pipe) outer, columns inner: the same list on each rank."""
@@ -77,7 +75,5 @@ class DistContext(LocalContext):
         return [x for r in self.all_gather_object(row, self.v_group, what) for x in r]
 
     def barrier(self) -> None:
-        import paddle.distributed as dist
-
         with self.waiting("barrier"):
-            dist.barrier(group=self.world_group)
+            self.world_group.barrier()

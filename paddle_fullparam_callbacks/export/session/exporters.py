@@ -9,6 +9,7 @@ import importlib
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
+from ...assemble.arrays import to_paddle
 from ...config.schema import ConfigError
 from ...plan.export_plan import ExportPlan
 from ..write.writer import FileResult, SnapshotWriter
@@ -89,21 +90,22 @@ class PaddleSafetensorsExporter(SafetensorsExporter):
 
 
 class CallableExporter(Exporter):
-    """Hands every full tensor to ``fn(name, tensor, step=step)``; writes no snapshot."""
+    """Hands every full tensor to ``fn(name, tensor, step=step)``; writes no snapshot. The tensor is a
+    CPU Paddle tensor in host memory (assembled there, whatever device the parameters are on)."""
 
     writes_files = False
 
     def __init__(self, fn: Callable):
         self.fn = fn
         self.step = None
+        self.plan: Optional[ExportPlan] = None
 
     def begin(self, plan, staging_dir, step, file_indices=None):
-        self.step = step
+        self.step, self.plan = step, plan
 
     def write(self, name, tensor, zero_row=None):
-        if zero_row is not None:
-            tensor = with_zero_row(tensor, zero_row)
-        self.fn(name, tensor, step=self.step)
+        arr = with_zero_row(tensor, zero_row) if zero_row is not None else to_host_array(tensor)
+        self.fn(name, to_paddle(arr, self.plan.slots[name].dtype), step=self.step)
 
     def finish(self):
         return {}

@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, Optional
 
 from ... import _faults
 from ...config.schema import FullParamConfig
@@ -63,6 +63,7 @@ class ExportJob:
     stall_s: float = 0.0
     pointers: bool = True  # update latest/best and apply retention after the commit
     companions: dict = field(default_factory=dict)  # the coordinator's: directory -> {file: (bytes, digest)}
+    device: Any = None  # the DeviceBoundary of this export (what left the device, how long it took)
 
 
 def finish_local(job: ExportJob, rank: int) -> None:
@@ -144,6 +145,8 @@ class Committer:
                    "flush_s": job.t_written - job.t_stream}
         if job.thread is not None:  # async_write: how long training waited (the rest ran in the background)
             timings["stall_s"] = job.stall_s
+        if job.device is not None and job.device.stats.d2h_bytes:  # parameters on an accelerator
+            timings["device_to_host_s"] = job.device.stats.d2h_s
         if not job.exporter.writes_files:
             total = time.perf_counter() - job.t0
             return SnapshotInfo(name, step, None, 0, 0, job.p.plan.num_tensors, total, timings, job.reason, stall_s=total)

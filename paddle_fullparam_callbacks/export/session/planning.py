@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from ... import _faults
+from ...assemble.device import on_device
 from ...assemble.mapping import DestinationMap, MappingError, apply_export_dtype, build_destination_map, padding_destinations
 from ...assemble.mesh import records_from_state_dict, shard_info_from_records, validate_records
 from ...config.schema import FullParamConfig
@@ -51,6 +52,15 @@ def _check_whole(records) -> None:
             )
 
 
+def _check_paddle_assembler(sd) -> None:
+    """assembler=paddle runs Paddle's ``full_param``, which assembles where the parameters are."""
+    on_acc = sorted(k for k, sw in sd.items() if on_device(sw.local_tensor))
+    if on_acc:
+        raise MappingError(f"assembler=paddle runs Paddle's own full_param, which assembles on the device without a "
+                           f"bound (export.device_memory_budget); {len(on_acc)} parameter(s) are on "
+                           f"{sd[on_acc[0]].local_tensor.place} (e.g. {on_acc[0]!r}): use assembler=builtin")
+
+
 def plan_export(ctx, config: FullParamConfig, source: ModelSource, sd: Optional[dict],
                 cached: Optional[PreparedExport] = None) -> PreparedExport:
     """The plan for ``source`` (``sd``: its sharded state dict, None for a file source).
@@ -78,6 +88,8 @@ def plan_export(ctx, config: FullParamConfig, source: ModelSource, sd: Optional[
         if flattened:
             raise _flattened_error(flattened)
         validate_records(records)
+        if config.assembler == "paddle" and not from_files:
+            _check_paddle_assembler(sd)
         if ctx.mesh.size == 1 and not from_files:
             _check_whole(records)
         if mapped and source.mapping_for is not None:

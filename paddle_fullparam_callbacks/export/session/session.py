@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from ... import _faults
+from ...assemble.device import DeviceBoundary
 from ...config.schema import ConfigError, FullParamConfig
 from ...plan.naming import format_snapshot_name, snapshot_step_pattern
 from .. import commit
@@ -272,11 +273,12 @@ class ExportSession:
         ctx, p = self.ctx, job.p
         progress = progress_bar(ctx.is_coordinator, sum(p.plan.slots[n].nbytes for n in keep), job.name)
         beat = ctx.watchdog.beat if ctx.watchdog is not None else (lambda: None)
+        boundary = job.device = DeviceBoundary(self.config.export.device_budget)
         try:
             job.exporter.begin(p.plan, job.staging, job.step, my_files)
             with ctx.waiting("assembly", ctx.mesh_ranks):  # export.timeout_s: no tensor for that long ends the job
                 for tname, tensor in stream_tensors(ctx, self.config, sd, p, job.source, targets, keep,
-                                                    job.exporter.wait_for_room):
+                                                    job.exporter.wait_for_room, boundary):
                     beat()
                     if job.error is None:
                         try:
@@ -294,7 +296,7 @@ class ExportSession:
             progress.close()
         if job.source.companions and job.exporter.writes_files:  # e.g. a PEFT adapter, in its own subdirectory
             try:
-                job.companions = write_companions(ctx, self.config, p, job.source, job.staging)
+                job.companions = write_companions(ctx, self.config, p, job.source, job.staging, boundary)
             except Exception as e:
                 job.error = job.error or f"{type(e).__name__}: {e}"
         job.t_stream = time.perf_counter()

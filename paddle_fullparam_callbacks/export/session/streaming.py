@@ -1,14 +1,17 @@
 """Where the full tensors come from: the assembler that fits the source and the mesh.
 
-``stream_tensors`` yields ``(destination name, full tensor)`` in the plan's file order, for the
-destinations of this rank's mesh; every rank of the mesh takes part in its collectives even when
+``stream_tensors`` yields ``(destination name, full tensor as a host array)`` in the plan's file
+order, for the destinations of this rank's mesh; every rank of the mesh takes part in its collectives even when
 it keeps none of them (``keep``: the destinations this rank writes).
 """
 from __future__ import annotations
 
 import logging
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
+
+from ...assemble.device import DeviceBoundary
 from ...assemble.local import LocalAssembler
 from ...assemble.mapping import MappingError
 from ...assemble.mesh import MeshAssembler
@@ -20,9 +23,12 @@ logger = logging.getLogger("paddle_fullparam_callbacks")
 
 
 def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: ModelSource,
-                   targets: List[str], keep: set, room=None) -> Iterator[Tuple[str, object]]:
+                   targets: List[str], keep: set, room=None, boundary: Optional[DeviceBoundary] = None
+                   ) -> Iterator[Tuple[str, np.ndarray]]:
     """``room(nbytes)``: waits until the writer can take a tensor that large (file sources only: a live
-    model's tensors exist already, a file's are read on demand)."""
+    model's tensors exist already, a file's are read on demand). ``boundary``: where a live model's
+    slices leave the device (``export.device_memory_budget``)."""
+    boundary = boundary or DeviceBoundary(config.export.device_budget)
     mapped = config.export.format != "paddle_safetensors"
     if source.tensors is not None:  # slices in files (convert): read and assembled here, no communication
         from ...assemble.files import FileAssembler
@@ -39,8 +45,12 @@ def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: 
             # assembles everything (Paddle splits by sorted names, not by our files) and keeps its own
             kwargs = {}
             if ctx.mesh.size > 1:
-                kwargs = {"h_group": getattr(ctx, "paddle_h_group", None) or ctx.h_group,
-                          "v_group": getattr(ctx, "paddle_v_group", None) or ctx.v_group}
+                kwargs = {"h_group": ctx.paddle_h_group, "v_group": ctx.paddle_v_group}
+                rows = [list(kwargs["h_group"].ranks), list(kwargs["v_group"].ranks)] if ctx.paddle_h_group else None
+                if rows != [list(ctx.mesh.h_ranks(ctx.rank)), list(ctx.mesh.v_ranks(ctx.rank))]:
+                    raise MappingError("assembler=paddle runs Paddle's full_param over the job's tensor-parallel and "
+                                       "pipeline groups, which are not this mesh's rows and columns here (e.g. sharding "
+                                       "stage 3 joins the mesh): use assembler=builtin")
             for name, t in run_paddle_full_param(sd, source.aoa_config if mapped else None, config.export.dtype,
                                                  transforms=source.local_transforms, **kwargs):
                 if name in keep:
@@ -50,11 +60,12 @@ def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: 
         # single-group path (it decides by the world size) and call .cuda(); assemble locally
         logger.warning("assembler=paddle: a mesh of one rank uses the builtin local assembler (no communication)")
     if ctx.mesh.size == 1:
-        yield from LocalAssembler(sd, p.dmap, config.export.dtype, source.local_transforms).run(
+        yield from LocalAssembler(sd, p.dmap, config.export.dtype, source.local_transforms, boundary).run(
             [n for n in targets if n in keep])
         return
     asm = MeshAssembler(sd, p.records, p.dmap, targets, keep, ctx.mesh, ctx.rank, ctx.h_group, ctx.v_group,
-                        config.export.dtype, config.topology.bucket_for(ctx.mesh.size), source.local_transforms)
+                        config.export.dtype, config.topology.bucket_for(ctx.mesh.size), source.local_transforms,
+                        boundary)
     _check_replicas(ctx, asm)
     yield from asm.run()
     if asm.errors:

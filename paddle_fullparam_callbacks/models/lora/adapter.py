@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ...assemble.local import _permutations_and_cast
+from ...assemble.arrays import permutations_and_cast
 from ...assemble.mapping import DestinationMap
 from ...plan.export_plan import TensorSpec, natural_key
 from .layers import LoraError
@@ -56,7 +56,7 @@ def _transposed_pieces(name: str, entries, key: str, in_features: int) -> List[T
     """(column offset, columns, destination row) of each piece of ``key`` in destination ``name``."""
     pieces = []
     for e in entries:
-        perms, _ = _permutations_and_cast(e.postprocess_list)
+        perms, _ = permutations_and_cast(e.postprocess_list)
         src, dst = e.source_slice, e.target_slice
         if perms != [[1, 0]] or len(src.global_offset) != 2:
             raise LoraError(f"{name!r} is not a transpose of {key!r} (postprocess {list(e.postprocess_list or [])}): "

@@ -93,7 +93,7 @@ class MergedTensors:
         except ValueError as e:
             raise LoraError(f"LoRA layer {lay.name!r}: {e}") from e
         if dtype != "float32":
-            from ...assemble.files import cast_array
+            from ...assemble.arrays import cast_array
 
             merged = cast_array(merged, "float32", dtype)  # merged in float32, cast once (Paddle's cast)
         return merged

@@ -14,9 +14,11 @@ import logging
 from collections import Counter
 from typing import Callable, Dict, List, Optional
 
+import numpy as np
+
+from ...assemble.arrays import cast_array
+from ...assemble.device import host_array
 from ...assemble.mapping import dtype_name
-from ...assemble.mesh import _to_paddle
-from ...export.session.host import to_host_array
 from ...export.source import Companion
 from . import adapter as peft
 from .layers import LoraError, LoraLayer, attach_keys, describe, find_lora_layers, lora_config_of
@@ -26,25 +28,22 @@ logger = logging.getLogger("paddle_fullparam_callbacks")
 
 
 def merge_transform(lay: LoraLayer) -> Callable:
-    """fn(this rank's block of the layer's weight) -> the block to export (merged if the layer is active)."""
+    """fn(this rank's block of the layer's weight as a host array, its dtype) -> the block to export, a
+    host array of the same dtype (merged if the layer is active). The LoRA factors come to the host
+    through the device boundary; the merge runs on the host, so a job on an accelerator merges with
+    the same bits as the CPU tests (and peft), and spends no device memory on it."""
 
-    def merged(weight):
+    def merged(weight: np.ndarray, w_dtype: str) -> np.ndarray:
         if lay.state() != "active":
             return weight
         layer = lay.layer
         a, b = layer.lora_A, layer.lora_B
-        w_dtype = dtype_name(weight)
         try:
-            block = merged_block(to_host_array(weight), w_dtype, to_host_array(a), dtype_name(a),
-                                 to_host_array(b), dtype_name(b), layer.scaling)
+            block = merged_block(weight, w_dtype, host_array(a), dtype_name(a), host_array(b), dtype_name(b),
+                                 layer.scaling)
         except ValueError as e:
             raise LoraError(f"LoRA layer {lay.name!r} ({lay.weight_key}): {e}") from e
-        out = _to_paddle(block, "float32")
-        if w_dtype != "float32":
-            out = out.astype(w_dtype)  # merged in float32, cast once (Paddle's cast)
-        if not weight.place.is_cpu_place():
-            out = out._copy_to(weight.place, True)  # where the assembler expects the weight's block
-        return out
+        return cast_array(block, "float32", w_dtype)  # merged in float32, cast once (Paddle's cast)
 
     return merged
 

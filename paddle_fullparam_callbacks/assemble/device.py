@@ -1,0 +1,268 @@
+"""The device boundary: the one place an export touches accelerator memory.
+
+A rank's slices may live on an accelerator (a GPU, or any custom device Paddle loads). The export
+moves them to host memory here, and everything after (assembly, collectives, casts, LoRA merges,
+hashing, writing) works on host arrays: the code the CPU tests run.
+
+The rule (``export.device_memory_budget``): an export never holds more than the budget of new
+device memory at any moment, whatever the model's largest tensor.
+
+* A contiguous slice is copied to the host in chunks of its own memory: a chunk is a view of the
+  parameter (no device allocation), copied by Paddle (``Tensor.copy_``) into the host array that
+  assembly then uses, or, on builds with CUDA, through one reused staging buffer of pinned host
+  memory (device-to-host copies run at full speed only into pinned memory). That costs no device
+  memory at all.
+* A cast to ``export.dtype`` runs on the device, chunk by chunk, when one chunk of the result fits
+  in the budget: the host then receives fewer bytes and has no cast to do. Otherwise (budget 0, or
+  a chunk would not fit) the raw bytes come over and the host casts them.
+* A slice that is not contiguous (rare: a view made by a framework) is made contiguous on the
+  device in row blocks that fit the budget; with a budget too small for one row it is refused with
+  an error naming it, never copied past the budget.
+
+A CPU tensor is not copied at all: the host array shares its memory (DLPack).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import numpy as np
+
+from .. import _dtypes
+
+CHUNK_BYTES = 16 * 2**20  # bytes per device-to-host copy: large enough to run at copy speed
+ALIGN = 512  # device allocators round each allocation up (CUDA's caching allocator to 512 bytes)
+DEFAULT_STAGING = "auto"  # see DeviceBoundary.staging_buffer (tests set 'host' to run the staged path)
+
+
+class DeviceBudgetError(RuntimeError):
+    """Moving a slice off the device would allocate more device memory than the budget allows."""
+
+
+def dtype_of(tensor) -> str:
+    """The Paddle dtype name of a tensor (or of a numpy array: storage dtype, bfloat16 as uint16)."""
+    if isinstance(tensor, np.ndarray):
+        return "bfloat16" if tensor.dtype == np.uint16 else tensor.dtype.name
+    return _dtypes.lookup(str(tensor.dtype)).name
+
+
+def on_device(tensor) -> bool:
+    """Whether ``tensor`` is a Paddle tensor in accelerator memory (not a host array or CPU tensor)."""
+    if isinstance(tensor, np.ndarray):
+        return False
+    place = tensor.place
+    return not (place.is_cpu_place() or place.is_cuda_pinned_place())
+
+
+def _cpu_view(tensor) -> Optional[np.ndarray]:
+    """A numpy array sharing a CPU tensor's memory, strides included; None if DLPack refuses it."""
+    import paddle
+
+    if not tensor.stop_gradient:
+        tensor = tensor.detach()  # Paddle refuses DLPack on tensors that require grad; detach() shares the memory
+    storage = np.dtype(_dtypes.lookup(dtype_of(tensor)).np_storage)
+    try:
+        arr = np.from_dlpack(tensor.view(paddle.uint16) if storage == np.uint16 else tensor)
+    except (TypeError, RuntimeError, ValueError, BufferError, AttributeError):
+        return None
+    return arr if arr.dtype == storage and tuple(arr.shape) == tuple(tensor.shape) else None
+
+
+@dataclass
+class DeviceStats:
+    """What the boundary did during one export (for the manifest's timings and the benchmarks)."""
+
+    d2h_bytes: int = 0
+    d2h_s: float = 0.0
+    device_casts: int = 0
+    host_casts: int = 0
+    peak_device_bytes: int = 0  # most device memory this boundary held at once (its own accounting)
+
+    def as_dict(self) -> Dict[str, float]:
+        return {"d2h_bytes": self.d2h_bytes, "d2h_s": round(self.d2h_s, 6), "device_casts": self.device_casts,
+                "host_casts": self.host_casts, "peak_device_bytes": self.peak_device_bytes}
+
+
+@dataclass
+class DeviceBoundary:
+    """Moves slices to host memory within ``budget`` bytes of device memory (see the module doc)."""
+
+    budget: int = 0
+    chunk_bytes: int = field(default_factory=lambda: CHUNK_BYTES)
+    staging: str = field(default_factory=lambda: DEFAULT_STAGING)
+    stats: DeviceStats = field(default_factory=DeviceStats)
+
+    # ---- whole slices ---------------------------------------------------------------------
+    def host_array(self, tensor, cast_to: Optional[str] = None) -> "tuple[np.ndarray, str]":
+        """``(array, dtype)``: the tensor's values in host memory, cast to ``cast_to`` when given
+        (floating dtypes only). A CPU tensor is shared, not copied (unless cast)."""
+        from .arrays import cast_array
+
+        if isinstance(tensor, np.ndarray):
+            dtype = dtype_of(tensor)
+            return self._host_cast(tensor, dtype, cast_to), cast_to if self._casts(dtype, cast_to) else dtype
+        dtype = dtype_of(tensor)
+        if not on_device(tensor):
+            arr = _cpu_view(tensor)
+            if arr is None:
+                arr = tensor.numpy()  # copies; always right
+                storage = np.dtype(_dtypes.lookup(dtype).np_storage)
+                arr = arr if arr.dtype == storage else arr.view(storage)
+            return self._host_cast(arr, dtype, cast_to), cast_to if self._casts(dtype, cast_to) else dtype
+        want = cast_to if self._casts(dtype, cast_to) else dtype
+        device_cast = want != dtype and self._fits(_dtypes.lookup(want).itemsize)
+        moved = want if device_cast else dtype  # what crosses to the host
+        out = np.empty(tuple(tensor.shape), dtype=_dtypes.lookup(moved).np_storage)
+        self._copy_out(tensor, out, want if device_cast else None)
+        if moved != want:
+            self.stats.host_casts += 1
+            return cast_array(out, dtype, want), want
+        return out, want
+
+    def _casts(self, dtype: str, cast_to: Optional[str]) -> bool:
+        return bool(cast_to) and cast_to != dtype and _dtypes.lookup(dtype).is_float and _dtypes.lookup(cast_to).is_float
+
+    def _host_cast(self, arr: np.ndarray, dtype: str, cast_to: Optional[str]) -> np.ndarray:
+        from .arrays import cast_array
+
+        if not self._casts(dtype, cast_to):
+            return arr
+        self.stats.host_casts += 1
+        return cast_array(arr, dtype, cast_to)
+
+    def _usable(self) -> int:
+        """Bytes one device allocation may ask for so that, rounded up by the allocator, it fits the budget."""
+        return (min(self.budget, self.chunk_bytes) // ALIGN) * ALIGN
+
+    def _fits(self, itemsize_out: int) -> bool:
+        """A device-side cast needs at least one chunk of the result (a few thousand elements) within the budget."""
+        return self._usable() >= min(self.chunk_bytes, 4096 * itemsize_out)
+
+    # ---- the copy -------------------------------------------------------------------------
+    def _copy_out(self, tensor, out: np.ndarray, cast_to: Optional[str]) -> None:
+        """Fill ``out`` (host, C-contiguous, the result dtype's storage) with ``tensor``'s values."""
+        t0 = time.perf_counter()
+        if not tensor.stop_gradient:
+            tensor = tensor.detach()
+        if not math.prod(tensor.shape):  # (numel() would be a new tensor, on the device)
+            return
+        if not tensor.is_contiguous():
+            self._copy_strided(tensor, out, cast_to)
+        else:
+            self._copy_flat(tensor.reshape([-1]), out.reshape(-1), cast_to)  # (reshape of contiguous: a view)
+        self.stats.d2h_bytes += out.nbytes
+        self.stats.d2h_s += time.perf_counter() - t0
+
+    def _copy_flat(self, flat, out: np.ndarray, cast_to: Optional[str]) -> None:
+        """A contiguous 1-D device tensor into ``out`` (1-D host, the result's storage), chunk by chunk:
+        each chunk a view of ``flat``, copied in its own dtype."""
+        n = int(flat.shape[0])
+        item = _dtypes.lookup(cast_to or dtype_of(flat)).itemsize
+        step = max(1, (self._usable() if cast_to else self.chunk_bytes) // item)
+        for start in range(0, n, step):
+            piece = flat[start:min(n, start + step)]
+            if cast_to:
+                self._note_device(int(piece.shape[0]) * item)
+                piece = piece.astype(cast_to)
+                self.stats.device_casts += 1
+            self._to_host(piece, out[start:start + int(piece.shape[0])])
+            del piece
+
+    def _to_host(self, piece, dest: np.ndarray) -> None:
+        """One contiguous device chunk into ``dest`` (a host array of its storage dtype and size): copied by
+        Paddle into the destination's own memory, or through the reused staging buffer where there is one.
+
+        Never through a dtype view of the chunk (``piece.view(paddle.uint8)``): in Paddle 3.3.1 ``view`` to a
+        dtype of another size scales the storage offset of a sliced tensor by the size ratio (a chunk at
+        byte 16 MB of a float32 tensor, viewed as uint8, points at byte 64 MB: a segmentation fault on the
+        fake accelerator, a refusal on the CPU). Host arrays are seen as tensors of the chunk's own dtype
+        instead, each at offset 0 of its own memory."""
+        from .arrays import to_paddle
+
+        dtype = dtype_of(piece)
+        stage = self.staging_buffer(dest.nbytes)
+        if stage is None:
+            to_paddle(dest, dtype).copy_(piece, True)
+            return
+        window = stage[:dest.nbytes]  # offset 0: a dtype view of it is sound
+        window = window.view(_paddle_dtype(dtype)) if dtype != "uint8" else window
+        window.copy_(piece, True)  # device -> staging (pinned: the fast, DMA-able kind of host memory)
+        to_paddle(dest, dtype).copy_(window, True)  # staging -> destination: a host copy
+
+    def staging_buffer(self, nbytes: int):
+        """The staging buffer (a uint8 host tensor of ``chunk_bytes``, made once per process and reused),
+        or None: the chunks then go straight into their destination. ``staging``: 'auto' (pinned host
+        memory where Paddle has it: builds with CUDA), 'pinned', 'host' (ordinary host memory: the same
+        two copies, for the tests of this path on other devices) or 'none'."""
+        mode = self.staging
+        if mode == "auto":
+            import paddle
+
+            mode = "pinned" if paddle.is_compiled_with_cuda() else "none"
+        if mode == "none" or nbytes > self.chunk_bytes:
+            return None
+        key = (mode, self.chunk_bytes)
+        if key not in _STAGING:
+            import paddle
+
+            host = paddle.to_tensor(np.zeros(self.chunk_bytes, dtype=np.uint8), place=paddle.CPUPlace())
+            _STAGING[key] = host.pin_memory() if mode == "pinned" else host
+        return _STAGING[key]
+
+    def _copy_strided(self, tensor, out: np.ndarray, cast_to: Optional[str]) -> None:
+        """A non-contiguous slice (rare: a view a framework made). Paddle's ``numpy()`` copies a view to
+        the host with its strides, without device memory; where it cannot, row blocks are made
+        contiguous on the device, each within the budget. A cast then runs on the host."""
+        try:
+            values = tensor.numpy()
+        except (RuntimeError, ValueError, OSError):
+            values = None
+        if values is None:
+            rows = int(tensor.shape[0]) if tensor.ndim else 1
+            row_bytes = max(1, math.prod(tensor.shape[1:]) * _dtypes.lookup(dtype_of(tensor)).itemsize)
+            per = min(rows, ((self.budget // ALIGN) * ALIGN) // row_bytes)  # one allocation, rounded up, within the budget
+            if per < 1:
+                raise DeviceBudgetError(
+                    f"a slice {list(tensor.shape)} of dtype {dtype_of(tensor)} is not contiguous on the device and "
+                    f"cannot be copied as it is: making one row contiguous needs {row_bytes} bytes of device memory, "
+                    f"more than export.device_memory_budget ({self.budget}); raise the budget")
+            values = np.empty(tuple(tensor.shape), dtype=_dtypes.lookup(dtype_of(tensor)).np_storage)
+            for start in range(0, rows, per):
+                stop = min(rows, start + per)
+                self._note_device((stop - start) * row_bytes)
+                values[start:stop] = _host_values(tensor[start:stop].contiguous()).reshape(values[start:stop].shape)
+        storage = np.dtype(_dtypes.lookup(dtype_of(tensor)).np_storage)
+        values = values if values.dtype == storage else values.view(storage)
+        if cast_to:
+            from .arrays import cast_array
+
+            self.stats.host_casts += 1
+            values = cast_array(values, dtype_of(tensor), cast_to)
+        out[...] = values.reshape(out.shape)
+
+    def _note_device(self, nbytes: int) -> None:
+        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, nbytes)
+
+
+def _host_values(piece) -> np.ndarray:
+    """A contiguous device tensor's values as a new host array of its storage dtype."""
+    out = np.empty(tuple(piece.shape), dtype=_dtypes.lookup(dtype_of(piece)).np_storage)
+    DeviceBoundary(0, staging="none")._to_host(piece, out)
+    return out
+
+
+def _paddle_dtype(name: str):
+    import paddle
+
+    return getattr(paddle, name)
+
+
+_STAGING: Dict[tuple, object] = {}  # (mode, bytes) -> the process's staging buffer
+
+
+def host_array(tensor) -> np.ndarray:
+    """The tensor's values in host memory (storage dtype, bfloat16 as uint16), with no device memory
+    spent: a host array as is, a CPU tensor shared, a device tensor copied out chunk by chunk."""
+    return DeviceBoundary(0).host_array(tensor)[0]

@@ -1,0 +1,66 @@
+"""Collectives over host memory: the export's own communication.
+
+An export moves host bytes (slices packed into buffers) and small Python objects (plans, decisions,
+checksums). It does so over process groups made for the export (gloo, created at the start of the
+job: ``trainer/host_groups.py``), never through the training's device communicator (NCCL, XCCL):
+the device communicator would need the bytes in device memory, and its streams belong to training.
+A ``HostGroup`` wraps one such process group and works on numpy arrays, which Paddle sees as CPU
+tensors over the same memory (DLPack): nothing is allocated on any device, nothing is copied on
+the way in or out.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any, List, Sequence
+
+import numpy as np
+
+
+def _tensor(arr: np.ndarray):
+    import paddle
+
+    return paddle.from_dlpack(arr)
+
+
+class HostGroup:
+    """A process group over host memory. ``ranks``: the global ranks of its members, in group order;
+    ``rank``: this process's global rank (a member)."""
+
+    def __init__(self, pg, ranks: Sequence[int], rank: int):
+        self.pg = pg
+        self.ranks = list(ranks)
+        self.rank = rank
+        self.index = self.ranks.index(rank)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"HostGroup(ranks={self.ranks})"
+
+    def all_gather(self, buf: np.ndarray) -> np.ndarray:
+        """Every member's ``buf`` (1-D uint8, the same length everywhere): ``[size, len]`` uint8."""
+        buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+        out = np.empty((self.size, buf.nbytes), dtype=np.uint8)
+        if buf.nbytes:
+            self.pg.all_gather_into_tensor(_tensor(out.reshape(-1)), _tensor(buf), True).wait()
+        return out
+
+    def broadcast(self, buf: np.ndarray, src: int) -> None:
+        """``buf`` (1-D uint8, writable, C-contiguous) of global rank ``src`` into every member's ``buf``."""
+        if buf.nbytes:
+            self.pg.broadcast(_tensor(buf), self.ranks.index(src), True).wait()
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        """Every member's ``obj`` (picklable), in group order."""
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        sizes = self.all_gather(np.array([data.nbytes], dtype=np.int64).view(np.uint8)).view(np.int64).reshape(-1)
+        width = int(sizes.max())
+        buf = np.zeros(width, dtype=np.uint8)
+        buf[:data.nbytes] = data
+        got = self.all_gather(buf)
+        return [pickle.loads(got[i, :int(n)].tobytes()) for i, n in enumerate(sizes)]
+
+    def barrier(self) -> None:
+        self.all_gather(np.zeros(1, dtype=np.uint8))

@@ -1,0 +1,51 @@
+"""What the one-process device tests of both environments share: ``tests/on_device/single.py`` run in a
+child on the fake accelerator, and the checks of its report (``test_pf_on_device.py``,
+``test_pnlp_on_device.py``)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import _fake_device as fd
+from _helpers import ROOT
+from paddle_fullparam_callbacks import verify_snapshot
+
+
+def single_process(framework: str, out: Path) -> dict:
+    """tests/on_device/single.py in a child on the fake device; its report."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "on_device" / "single.py"), "--framework", framework,
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=fd.device_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("ONDEVICE ")][-1]
+    return json.loads(line[len("ONDEVICE "):])
+
+
+def check_single_process(report: dict) -> None:
+    """Every case: parameters where they were put, the device within the budget, the same bytes from
+    every placement."""
+    budgets = {"llama_bf16_budget0": 0}
+    assert set(report["cases"]) == {"llama", "llama_bf16", "llama_bf16_budget0", "llama_staged", "llama_chunks", "tied",
+                                    "lora"}
+    for case, runs in report["cases"].items():
+        budget = budgets.get(case, 16000)
+        for where, run in runs.items():
+            assert "error" not in run, (case, where, run["error"])
+            placed = set(run["places"])
+            assert placed == {"device": {"Place(fakedev:0)"}, "mixed": {"Place(fakedev:0)", "Place(cpu)"},
+                              "cpu": {"Place(cpu)"}}[where], (case, where, run["places"])
+            assert run["device_peak"] <= budget, (case, where, run["device_peak"], budget)
+            assert ("device_to_host_s" in run["timings"]) == (where != "cpu"), (case, where, run["timings"])
+        files = [run["files"] for run in runs.values()]
+        assert files[0] and all(f == files[0] for f in files), (case, files)
+        assert verify_snapshot(Path(runs["device"]["path"])).ok
+    # the device-side cast used the budget it was given; with budget 0 nothing was allocated
+    assert 0 < report["cases"]["llama_bf16"]["device"]["device_peak"] <= 16000
+    assert report["cases"]["llama_bf16_budget0"]["device"]["device_peak"] == 0
+    staged = report["cases"]["llama_staged"]
+    assert staged["device"]["files"] == report["cases"]["llama_bf16"]["device"]["files"]
+    # the embedding and the head alone are 16 chunks each (64 KB of bfloat16 in 4 KB chunks)
+    assert staged["device"]["staged_chunks"] >= 32 and report["cases"]["llama_bf16"]["device"]["staged_chunks"] == 0
+    assert report["cases"]["llama_chunks"]["device"]["files"] == report["cases"]["llama"]["device"]["files"]
+    assert any(name.startswith("adapter/") for name in report["cases"]["lora"]["device"]["files"])

@@ -1,0 +1,144 @@
+"""One process with its parameters on the fake accelerator (``fakedev:0``): exports of the real
+framework models, each measured against the device budget and compared with the same export from
+CPU tensors.
+
+    python single.py --framework paddleformers|paddlenlp --out DIR     (environment: tests/_fake_device.device_env)
+
+Cases (one process, so Paddle and the frameworks are imported once):
+
+- ``llama``: an untied Llama (embedding and LM head 128 KB each), budget 16 KB: ``keep``; ``bfloat16``
+  (the cast runs on the device in 16 KB chunks); ``bfloat16`` with budget 0 (the cast runs on the host);
+- ``llama_staged``: ``bfloat16`` again, in 4 KB chunks, each through a reused host staging buffer (the path of
+  CUDA builds, with pinned memory there);
+- ``llama_chunks``: ``keep`` copied in 4 KB chunks (the staged case too): every tensor of more than 4 KB
+  leaves the device as many views at growing offsets;
+- ``tied``: a tied Llama, budget 16 KB;
+- ``lora``: a LoRA model with nonzero adapters, merged, with its PEFT adapter, budget 16 KB;
+- ``mixed``: the llama with its first decoder layer and its LM head moved to the CPU (offloaded).
+
+Every export is done three times with the same weights: all parameters on the device, the ``mixed``
+placement, all on the CPU; the tensor files must be identical bytes. For each device export the peak
+of Paddle's allocator statistics minus the allocation before it is reported (``device_peak``), and the
+ops that failed on the device, if any. Prints ``ONDEVICE {json}``.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent)]
+
+DEVICE = "fakedev:0"
+
+
+def export(model, out: Path, overrides) -> dict:
+    """One snapshot; the device's allocation peak during it (Paddle's statistics) and the files' digests."""
+    import paddle
+
+    from paddle_fullparam_callbacks.config import load_config
+    from paddle_fullparam_callbacks.export import ExportSession
+    from paddle_fullparam_callbacks.models.model_info import build_model_source
+
+    cfg = load_config(None, [f"output_dir={out}", "on_error=raise", "export.max_shard_size=100KB", *overrides])
+    session = ExportSession(cfg, out)
+    session.start()
+    try:
+        paddle.device.synchronize()
+        paddle.device.reset_max_memory_allocated(DEVICE)
+        before = paddle.device.memory_allocated(DEVICE)
+        info = session.export(build_model_source(model, cfg), 1, reason="test")
+        peak = paddle.device.max_memory_allocated(DEVICE) - before
+    finally:
+        session.close()
+    files = {}
+    for f in sorted(info.path.rglob("*.safetensors")):
+        files[str(f.relative_to(info.path))] = hashlib.sha256(f.read_bytes()).hexdigest()
+    index = info.path / "model.safetensors.index.json"
+    return {"device_peak": peak, "files": files, "index": json.loads(index.read_text())["weight_map"],
+            "timings": info.timings, "path": str(info.path)}
+
+
+def place(model, where: str) -> None:
+    """All parameters on ``where`` ('device' or 'cpu'), or 'mixed': the device, except the first decoder
+    layer and the LM head, moved to the CPU as an offloading job would."""
+    model.to(device=DEVICE if where in ("device", "mixed") else "cpu")
+    if where == "mixed":
+        subs = dict(model.named_sublayers())
+        first_layer = next(layer for name, layer in subs.items() if name.endswith("layers.0"))
+        head = next(layer for name, layer in subs.items() if name.endswith("lm_head"))
+        first_layer.to(device="cpu")
+        head.to(device="cpu")
+
+
+def places(model) -> dict:
+    out = {}
+    for _, p in model.named_parameters():
+        out[str(p.place)] = out.get(str(p.place), 0) + 1
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--framework", required=True)
+    ap.add_argument("--out", required=True)
+    ns = ap.parse_args()
+    import paddle
+
+    from _lora_cases import set_nonzero_lora
+    from paddle_fullparam_callbacks.cli.demo import make_tiny_llama
+
+    paddle.set_device(DEVICE)
+    out = Path(ns.out)
+    peft = __import__(f"{ns.framework}.peft", fromlist=["LoRAConfig", "LoRAModel"])
+    lora = peft.LoRAModel(make_tiny_llama(ns.framework, seed=4, tie_word_embeddings=False),
+                          peft.LoRAConfig(target_modules=[r".*\.(q|k|v|o)_proj", r".*\.(gate|up|down)_proj"],
+                                          r=4, lora_alpha=8))
+    set_nonzero_lora(lora, seed=2)
+    models = {"llama": make_tiny_llama(ns.framework, seed=1, tie_word_embeddings=False),
+              "tied": make_tiny_llama(ns.framework, seed=2, tie_word_embeddings=True), "lora": lora}
+    budget = "export.device_memory_budget=16KB"
+    cases = {
+        "llama": ("llama", [budget]),
+        "llama_bf16": ("llama", [budget, "export.dtype=bfloat16"]),
+        "llama_bf16_budget0": ("llama", ["export.device_memory_budget=0", "export.dtype=bfloat16"]),
+        "llama_staged": ("llama", [budget, "export.dtype=bfloat16"]),  # through a reused staging buffer
+        "llama_chunks": ("llama", [budget]),  # 4 KB chunks: a tensor is many views at growing offsets
+        "tied": ("tied", [budget]),
+        "lora": ("lora", [budget, "export.peft_adapter=inside"]),
+    }
+    report = {"framework": ns.framework, "cases": {}}
+    from paddle_fullparam_callbacks.assemble import device
+
+    staged = [0]  # chunks that went through a staging buffer
+    original = device.DeviceBoundary.staging_buffer
+
+    def counting(self, nbytes):
+        buf = original(self, nbytes)
+        staged[0] += buf is not None
+        return buf
+
+    device.DeviceBoundary.staging_buffer = counting
+    for case, (model_name, overrides) in cases.items():
+        model = models[model_name]
+        device.DEFAULT_STAGING = "host" if case == "llama_staged" else "auto"
+        device.CHUNK_BYTES = 4096 if case in ("llama_staged", "llama_chunks") else 16 * 2**20
+        runs = {}
+        for where in ("device", "mixed", "cpu"):
+            place(model, where)
+            staged[0] = 0
+            try:
+                runs[where] = {"places": places(model), **export(model, out / case / where, overrides),
+                               "staged_chunks": staged[0]}
+            except Exception as e:  # reported, with what failed on the device
+                runs[where] = {"places": places(model), "error": f"{type(e).__name__}: {e}"[:2000]}
+        report["cases"][case] = runs
+    print("ONDEVICE " + json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
