@@ -15,6 +15,7 @@ IAM authentication is switched on (:func:`enforce_auth`), so a header the proxy 
 from __future__ import annotations
 
 import http.client
+import sys
 import threading
 import urllib.request
 from dataclasses import dataclass, field
@@ -110,7 +111,12 @@ class Proxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):  # a client killed mid-request: expected here
+                if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+                    super().handle_error(request, client_address)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
