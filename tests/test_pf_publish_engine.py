@@ -289,6 +289,30 @@ def test_remote_retention_keeps_the_newest_and_the_best_by_the_metric(s3, tmp_pa
     assert c.get_object(Bucket=bucket, Key="run/best")["Body"].read() == b"hf-step-000002\n"
 
 
+def test_a_removal_cut_short_leaves_no_snapshot_and_the_next_retention_finishes_it(s3, tmp_path):
+    from paddle_fullparam_callbacks import _faults
+
+    c, bucket, proxy = s3
+    cfg = config(proxy.endpoint, bucket, keep_last=1)
+    publish_one(spec(make_snapshot(tmp_path, 1, shard=1000), cfg))
+
+    def crash(point):
+        if point == "publish_remove":
+            raise KeyboardInterrupt("killed")  # the process dies right after the manifest's deletion
+
+    _faults.HOOK = crash
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            publish_one(spec(make_snapshot(tmp_path, 2, shard=1000), cfg))
+    finally:
+        _faults.HOOK = None
+    left = keys_under(c, bucket, "run/hf-step-000001/")
+    assert "run/hf-step-000001/.fullparam-deleting" in left and "run/hf-step-000001/config.json" in left
+    assert "run/hf-step-000001/fullparam_manifest.json" not in left  # no longer a snapshot for any reader
+    publish_one(spec(make_snapshot(tmp_path, 3, shard=1000), cfg))
+    assert sorted({k.split("/")[1] for k in keys_under(c, bucket)}) == ["hf-step-000003", "latest"]
+
+
 def test_a_local_file_that_changed_since_the_commit_is_never_published(s3, tmp_path):
     c, bucket, proxy = s3
     snap = make_snapshot(tmp_path, 8)
