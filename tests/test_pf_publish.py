@@ -88,8 +88,11 @@ def train(tmp_path, overrides, steps, at=None, model=None):
 
 
 def same_bytes(c, bucket: str, snap: Path) -> bool:
-    return all(c.get_object(Bucket=bucket, Key=f"run/{snap.name}/{p.name}")["Body"].read() == p.read_bytes()
-               for p in snap.iterdir() if p.is_file() and not p.name.startswith("fullparam_publish"))
+    """Every file of the snapshot (the manifest's, and the manifest) is on the store with the same bytes; the
+    records and logs beside them (evaluation, publication) stay local."""
+    names = [*json.loads((snap / "fullparam_manifest.json").read_text())["files"], "fullparam_manifest.json"]
+    return all(c.get_object(Bucket=bucket, Key=f"run/{snap.name}/{n}")["Body"].read() == (snap / n).read_bytes()
+               for n in names)
 
 
 def shard_part(n: int):
@@ -178,6 +181,29 @@ def test_the_start_fails_before_step_one_when_the_store_cannot_be_used(moto, tmp
         train(tmp_path, [f"publish.url=s3://missing-bucket/run", f"publish.endpoint_url={moto}"], 2,
               model=make_tiny_llama(seed=0))
     assert not (tmp_path / "snaps").exists()
+
+
+def test_with_the_evaluation_hook_best_on_the_store_follows_the_scores_that_come_after_publishing(s3, tmp_path):
+    from _evaluators import fake_evaluator, python_override, stop_leftovers
+
+    c, bucket, proxy = s3
+    command = fake_evaluator(tmp_path, {"scores": {"2": 1.0, "4": 5.0, "6": 3.0}})
+    try:
+        cb, _ = train(tmp_path, [*publish_overrides(proxy.endpoint, bucket, "publish.keep_last=1"), python_override(),
+                                 f"evaluate.command={command}", "trigger.every_n_steps=2", "trigger.on_train_end=false",
+                                 "retention.metric=evaluate.score", "retention.keep_last=1", "retention.keep_best=1"], 6,
+                      model=make_tiny_llama(seed=0))
+    finally:
+        stop_leftovers(tmp_path)
+    assert [(ev.step, ev.status) for ev in cb.evaluation.results] == [(2, "ok"), (4, "ok"), (6, "ok")]
+    assert {p.name: p.status for p in cb.publishing.results if p.status == "ok"}.keys() >= {name(6)}
+    snaps = tmp_path / "snaps"
+    assert (snaps / "best").read_text().strip() == name(2) and listing(snaps) == ["best", name(2), name(6), "latest"]
+    # the store's best follows the local one, and remote retention (keep_last=1) keeps it beside latest
+    assert c.get_object(Bucket=bucket, Key="run/best")["Body"].read() == f"{name(2)}\n".encode()
+    assert c.get_object(Bucket=bucket, Key="run/latest")["Body"].read() == f"{name(6)}\n".encode()
+    assert sorted({k.split("/")[1] for k in keys_under(c, bucket)}) == ["best", name(2), name(6), "latest"]
+    assert same_bytes(c, bucket, snaps / name(2)) and open_uploads(c, bucket) == []
 
 
 COPY = r'''

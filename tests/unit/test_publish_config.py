@@ -98,3 +98,31 @@ def test_the_final_entry_from_what_the_runner_saw(tmp_path, status, output, expe
                         tmp_path / "output.json", tmp_path / "log", 5.0)
     assert entry["status"] == expected and entry["snapshot"] == "s"
     assert (error is None and entry.get("result") == output) or error in entry["error"]
+
+
+class _Ctx:
+    """A rank's view of the job for the start's one exchange: what the coordinator said is what every rank gets."""
+
+    def __init__(self, coordinator_says, is_coordinator=False):
+        self.is_coordinator, self.coordinator, self.said = is_coordinator, 0, coordinator_says
+        self.exchanges = []
+
+    def all_gather_object(self, obj, what=""):
+        self.exchanges.append((what, obj))
+        return [self.said if not self.is_coordinator else obj, obj]
+
+
+def test_every_rank_stops_alike_when_the_coordinators_probe_fails():
+    from paddle_fullparam_callbacks.trainer.publishing import PublishStartFailed, TrainerPublishing
+
+    cfg = load_config(None, ["publish.url=s3://bkt/run"])
+    other = _Ctx("publish.url s3://bkt/run (endpoint http://x): cannot write the probe object ...: NoSuchBucket")
+    with pytest.raises(PublishStartFailed, match="NoSuchBucket"):
+        TrainerPublishing(cfg).check(other)  # a rank that probes nothing, told by the coordinator
+    assert other.exchanges == [("publish probe", None)]
+    fine = _Ctx(None)
+    TrainerPublishing(cfg).check(fine)
+    assert fine.exchanges == [("publish probe", None)]
+    off = _Ctx("never asked")
+    TrainerPublishing(load_config(None, [])).check(off)  # publishing off: no exchange at all
+    assert off.exchanges == []
