@@ -354,6 +354,9 @@ def test_verify_checks_remote_snapshots_against_their_manifests(s3, moto, tmp_pa
     report = json.loads(ok.stdout)
     assert report["ok"] and [r["path"] for r in report["snapshots"]][:2] == [f"s3://{bucket}/run/hf-step-000001",
                                                                             f"s3://{bucket}/run/hf-step-000002"]
+    one = subprocess.run([sys.executable, "-m", "paddle_fullparam_callbacks", "verify", f"s3://{bucket}/run/hf-step-000002"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0 and one.stdout.startswith(f"OK  s3://{bucket}/run/hf-step-000002: 4 files"), one.stdout
     c.put_object(Bucket=bucket, Key="run/hf-step-000001/config.json", Body=b'{"model_type": "llamb"}')  # same size, other bytes
     c.put_object(Bucket=bucket, Key="run/hf-step-000009/config.json", Body=b"{}")  # no manifest: not a snapshot
     bad = subprocess.run([sys.executable, "-m", "paddle_fullparam_callbacks", "verify", f"s3://{bucket}/run"],

@@ -126,3 +126,16 @@ def test_every_rank_stops_alike_when_the_coordinators_probe_fails():
     off = _Ctx("never asked")
     TrainerPublishing(load_config(None, [])).check(off)  # publishing off: no exchange at all
     assert off.exchanges == []
+
+
+def test_paddle_fullparam_publish_refuses_bad_input_before_anything_is_written(tmp_path, capsys):
+    from paddle_fullparam_callbacks.cli.main import main
+
+    (tmp_path / "empty").mkdir()
+    assert main(["publish", str(tmp_path / "empty")]) == 2
+    assert "publish.url: is not set (nor publish.command): give --to s3://bucket/prefix" in capsys.readouterr().err
+    assert main(["publish", str(tmp_path / "empty"), "--to", "s3://Bad_Bucket/x"]) == 2
+    assert "publish.url: 'Bad_Bucket' is not a valid bucket name" in capsys.readouterr().err
+    assert main(["publish", str(tmp_path / "nowhere"), "--to", "s3://bkt/x"]) == 2
+    assert "holds no snapshot named like export.name_template" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
