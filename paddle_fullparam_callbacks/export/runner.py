@@ -147,6 +147,16 @@ def is_alive(pid, workdir: str) -> bool:
     return os.path.basename(__file__).encode() in b" ".join(cmdline) and os.fsencode(str(workdir)) in cmdline
 
 
+def find(workdir: str):
+    """The pid of a runner working on ``workdir`` on this host, or None (for a job that died between
+    starting its runner and recording its pid)."""
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    return next((p for p in pids if p != os.getpid() and is_alive(p, workdir)), None)
+
+
 def _finish(workdir: str, status: dict) -> dict:
     status["finished_unix"] = time.time()
     status["seconds"] = round(status["finished_unix"] - status["started_unix"], 3)

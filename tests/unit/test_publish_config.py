@@ -139,3 +139,37 @@ def test_paddle_fullparam_publish_refuses_bad_input_before_anything_is_written(t
     assert main(["publish", str(tmp_path / "nowhere"), "--to", "s3://bkt/x"]) == 2
     assert "holds no snapshot named like export.name_template" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
+
+
+def test_a_runner_started_but_never_recorded_is_found_and_adopted(tmp_path):
+    """A job killed between starting its publisher's runner and writing the running record: the next start
+    finds the runner by its command line and adopts it instead of starting a second publisher."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from paddle_fullparam_callbacks.export.commit.ownership import mark
+    from paddle_fullparam_callbacks.export.publish.hook import RUNNER
+    from paddle_fullparam_callbacks.export.publish.recovery import recover
+
+    snap = tmp_path / "hf-step-000003"
+    work = snap / records.WORKDIR
+    work.mkdir(parents=True)
+    (snap / "fullparam_manifest.json").write_text(json.dumps({"step": 3, "files": {}}))
+    mark(work, "r1")
+    gate = tmp_path / "gate"
+    wait = f"import os, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.01)"
+    (work / "spec.json").write_text(json.dumps({"argv": [sys.executable, "-c", wait], "timeout_s": 60, "nice": 0,
+                                                "log": str(snap / records.LOG)}))
+    runner = subprocess.Popen([sys.executable, "-I", str(RUNNER), str(work)], start_new_session=True)
+    try:
+        out = recover(None, [(snap.name, 3, snap, "r1")], "s3://bkt/run", "r1")
+        assert [(p.name, p.adopted, p.running["pid"]) for p in out["adopted"]] == [(snap.name, True, runner.pid)]
+        assert out["todo"] == [] and out["settled"] == []
+    finally:
+        gate.write_text("go")
+        psutil.Process(runner.pid).wait(30)
+    # once it has ended, nothing runs there: the resumed run publishes the snapshot (idempotent on the store)
+    out = recover(None, [(snap.name, 3, snap, "r1")], "s3://bkt/run", "r1")
+    assert [p.name for p in out["todo"]] == [snap.name] and out["adopted"] == []

@@ -8,7 +8,8 @@ For each snapshot of the output directory, its entry for this destination says:
 - ``unfinished`` or ``failed``: published again: the journal beside it resumes each open multipart upload,
   or aborts the ones that no longer fit;
 - no entry, in the run this job continues (a resumed job): published (the job may have been killed
-  between the commit and the start of its publication).
+  between the commit and the start of its publication), unless a runner is found working on the
+  snapshot's folder (killed between starting it and recording it): that one is adopted.
 
 The hook's policy then applies: of the snapshots to publish, the newest and ``best`` win, the others are
 recorded as skipped. Uploads under the prefix that no publication here will resume are aborted by the
@@ -19,7 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from ..runner import STATUS, is_alive
+from ..commit.ownership import is_marked
+from ..runner import STATUS, find, is_alive
 from . import records
 from .hook import Publication, PublishHook, finalize
 
@@ -35,9 +37,14 @@ def recover(hook: Optional[PublishHook], snapshots: Iterable[Tuple[str, int, Pat
         path = Path(path).resolve()
         records.remove_leftover_tmp(path)
         entry = records.read(path, destination)
+        work = path / records.WORKDIR
+        if (entry is None or entry.get("status") != records.RUNNING) and work.is_dir() and is_marked(work):
+            pid = find(str(work))  # the job died between starting the runner and recording it
+            if pid is not None:
+                entry = {"snapshot": name, "step": step, "destination": destination, "status": records.RUNNING,
+                         "pid": pid, "log": records.LOG}
         pub = Publication(name, path, step, running=entry, recovered=True)
         if entry is not None and entry.get("status") == records.RUNNING:
-            work = path / records.WORKDIR
             if is_alive(entry.get("pid"), str(work)) and not (work / STATUS).exists():
                 pub.adopted = True
                 out["adopted"].append(pub)
