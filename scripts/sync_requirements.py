@@ -84,8 +84,9 @@ def hand_problems(text: str, pyproject: dict, path: Path) -> list:
     ranges = {}
     for req in generated:
         m = NAME.match(req.split(";")[0])
-        if m and m.group(2).strip():
-            ranges.setdefault(canonical(m.group(1)), []).append(m.group(2).strip())
+        spec = re.sub(r"^\[[^\]]*\]", "", m.group(2).strip()).strip() if m else ""  # moto[server]>=5.2: the range
+        if spec:
+            ranges.setdefault(canonical(m.group(1)), []).append(spec)
     rel = path.relative_to(ROOT)
     problems = []
     for line in head:

@@ -1,4 +1,4 @@
-"""``paddle-fullparam``: demo | verify | convert | evaluate | plan | selfcheck | recipes | run."""
+"""``paddle-fullparam``: demo | verify | convert | evaluate | publish | plan | selfcheck | recipes | run."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ DESCRIPTION = (
     "Full-parameter Hugging Face snapshots of PaddlePaddle training jobs. "
     "demo: train a tiny model on CPU with the callback and list its snapshots; verify: check snapshots; "
     "convert: an HF snapshot from a trainer checkpoint on disk; evaluate: run the evaluation hook on snapshots; "
+    "publish: copy snapshots to object storage (s3://); "
     "plan: show how a hybrid-parallel job would assemble and write a snapshot; recipes: list the bundled recipes; "
     "run: run a training command (paddleformers-cli train, a launcher, a script) with snapshots switched on, no code."
 )
@@ -51,6 +52,9 @@ def _cmd_verify(ns) -> int:
         if ns.json:
             print(json.dumps({"ok": False, "errors": [f"usage: {msg}"]}))
         return 2
+    remote = [d for d in ns.dirs if d.startswith("s3://")]
+    if remote:
+        return _verify_s3(ns, remote, emit)
     try:
         from ..export.verify.tree import verify_path
 
@@ -64,6 +68,62 @@ def _cmd_verify(ns) -> int:
         return 1
     emit(obj, (line for r in reports for line in render.text_lines(r)))
     return 0 if all(r.ok for r in reports) else 1
+
+
+def _verify_s3(ns, urls, emit) -> int:
+    """``verify s3://bucket/prefix``: published snapshots against their manifests (export/publish/verify.py)."""
+    if len(urls) != len(ns.dirs) or ns.transformers:
+        msg = "give s3:// URLs alone (local directories and --transformers in another call)"
+        print(f"paddle-fullparam verify: {msg}", file=sys.stderr)
+        emit({"ok": False, "errors": [f"usage: {msg}"]}, [])
+        return 2
+    try:
+        from ..export.publish.verify import verify_s3
+
+        reports = [r for u in urls for r in verify_s3(u, ns.endpoint_url, check_hashes=not ns.no_hash)]
+    except Exception as e:  # a bug of verify itself: reported, never taken for OK
+        msg = f"verify failed: {type(e).__name__}: {e}"
+        emit({"ok": False, "errors": [msg]}, [f"ERROR  {msg}"])
+        return 1
+
+    def lines():
+        for r in reports:
+            if r["kind"] == "not a snapshot":
+                yield from (f"SKIPPED  {n}" for n in r["notes"])
+                continue
+            counts = f": {r['files']} files, {r['bytes']} bytes" if r["kind"] == "snapshot" else ""
+            shown = f" ({'; '.join(r['notes'])})" if r["notes"] else ""
+            yield f"{'OK' if r['ok'] else 'DAMAGED'}  {r['path']}{counts}{shown}"
+            yield from (f"  - {e}" for e in r["errors"])
+
+    ok = all(r["ok"] for r in reports)
+    emit({"ok": ok, "snapshots": reports}, lines())
+    return 0 if ok else 1
+
+
+def _cmd_publish(ns) -> int:
+    """Exit 0 if every publication run or settled now is ok, 1 otherwise, 2 for usage, recipe or store errors."""
+    import logging
+
+    from ..config.recipes import load_config
+    from ..export.commit.lock import OutputDirLocked
+    from ..export.publish.offline import publish_path
+    from ..export.publish.probe import ProbeFailed
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = load_config(ns.recipe, list(ns.overrides or []) + ([f"publish.url={ns.to}"] if ns.to else []))
+    try:
+        done = publish_path(ns.output_dir, config, redo_all=ns.all)
+    except (FileNotFoundError, OutputDirLocked, ProbeFailed) as e:
+        print(f"paddle-fullparam publish: {e}", file=sys.stderr)
+        return 2
+    for pub in done:
+        entry = pub.entry or {}
+        result = entry.get("result") or {}
+        what = (f"{result.get('url', '')} {result.get('bytes', 0) / 1e6:.1f} MB" if pub.status == "ok"
+                else str(entry.get("error")))
+        print(f"{pub.name:<20} step {pub.step:>7}  {pub.status:<10} {what}")
+    return 0 if all(p.status == "ok" for p in done) else 1
 
 
 def _cmd_recipes(ns) -> int:
@@ -183,9 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help=text, description=text + "; exit 0 if all verify, 1 if any is damaged, 2 for usage errors.")
     v.add_argument("dirs", nargs="*", metavar="DIR",
                    help="a snapshot directory, an output directory (its hf-step-* snapshots and latest/best "
-                        "pointers), or a latest/best pointer file")
+                        "pointers), a latest/best pointer file, or s3://bucket/prefix (published snapshots)")
     v.add_argument("--json", action="store_true", help="print one JSON object (exit 0 ok, 1 damaged, 2 usage)")
     v.add_argument("--no-hash", action="store_true", help="skip the checksums (sizes and headers only)")
+    v.add_argument("--endpoint-url", help="for s3:// URLs: the store's endpoint (default: the AWS chain's, e.g. AWS_ENDPOINT_URL)")
     v.add_argument("--transformers", action="store_true",
                    help="also load each snapshot with transformers on the meta device (needs torch, transformers, "
                         "accelerate) and report missing, unexpected, mis-shaped and mis-typed tensors")
@@ -222,6 +283,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--all", action="store_true", help="evaluate every snapshot again")
     e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP + "; e.g. evaluate.python=$PFC_HF_PYTHON")
     e.set_defaults(func=_cmd_evaluate)
+
+    text = ("publish the snapshots of an output directory that are not published yet (or whose publication an "
+            "earlier job left unfinished) to object storage, with the engine the training job uses")
+    pu = sub.add_parser("publish", help=text, description=text + "; exit 0 if all are ok, 1 if any failed, 2 for usage "
+                                                                 "or when the store cannot be used.")
+    pu.add_argument("output_dir", metavar="OUTPUT_DIR", help="an output directory of snapshots")
+    pu.add_argument("--to", metavar="s3://BUCKET/PREFIX", help="the destination (publish.url); credentials and endpoint "
+                                                               "from the AWS chain (AWS_* variables, ~/.aws)")
+    pu.add_argument("--recipe", help="a bundled recipe name or YAML path with a publish section")
+    pu.add_argument("--all", action="store_true", help="publish every snapshot again, published ones included")
+    pu.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP + "; e.g. publish.endpoint_url=...")
+    pu.set_defaults(func=_cmd_publish)
 
     text = "print the meshes and writers of a hybrid-parallel topology (nothing is launched)"
     pl = sub.add_parser("plan", help=text, description=text + ".")

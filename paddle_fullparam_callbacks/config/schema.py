@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from .. import _dtypes
 from ..plan.naming import validate_template
+from .publishing import check_against, check_publish
 from .sizes import parse_size
 
 EXPORT_FORMATS = ("hf_safetensors", "paddle_safetensors", "callable")
@@ -358,6 +359,51 @@ class EvaluateConfig:
 
 
 @dataclass
+class PublishConfig:
+    """Copy each committed snapshot to object storage (url), or run a command on it, in a separate process."""
+
+    url: Optional[str] = None
+    """s3://bucket/prefix (snapshots at <prefix>/<name>/); credentials from the AWS chain, as boto3 reads it."""
+    command: Optional[str] = None
+    """Instead of url: a command per snapshot, with {snapshot}, {name}, {step}, {output}, {python} filled in."""
+    endpoint_url: Optional[str] = None
+    """http(s)://host[:port] of an S3-compatible store (MinIO, Ceph RGW, BOS, OSS); null: the AWS chain's."""
+    region: Optional[str] = None
+    """The store's region; null: the AWS chain's (AWS_REGION, ~/.aws/config)."""
+    part_size: str = "64MB"
+    """Multipart part size, 5MiB to 5GiB (raised for a file that would need over 10,000 parts); smaller files: one PUT."""
+    concurrency: int = 4
+    """Parts uploaded at once; lowered so that (concurrency + 1) parts fit in max_memory."""
+    max_memory: str = "512MB"
+    """Host memory for parts read and in flight (at least two parts)."""
+    retries: int = 5
+    """Retries of a request the store throttled (SlowDown, 503) or failed (5xx, dropped connection)."""
+    retry_backoff_s: float = 0.5
+    """The first retry's wait, doubled at each next one (at most 30 s), with jitter."""
+    check_etag: bool = True
+    """Compare the store's ETags with the local MD5s after upload (false where ETags are no MD5: SSE-KMS)."""
+    require_conditional_writes: bool = True
+    """The start proves the store honours If-None-Match and If-Match; false: such a store is used with a warning."""
+    keep_last: int = 0
+    """Remote retention: this run's newest N published snapshots stay (0: all). Remote latest and best stay."""
+    keep_best: int = 0
+    """Remote retention: the N best by retention.metric stay (0: no limit by metric)."""
+    timeout_s: float = 21600.0
+    """One snapshot's publication running longer is stopped and recorded as failed."""
+    wait_at_end_s: float = 600.0
+    """At the end of training, wait this long for publications; the rest is recorded as unfinished."""
+    nice: int = 10
+    """CPU priority of the publishing process (os.nice increment, 0-19)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.url or self.command)
+
+    def __post_init__(self):
+        check_publish(self, ConfigError)
+
+
+@dataclass
 class FullParamConfig:
     """Everything the callback needs; a recipe file is an instance of this."""
 
@@ -371,6 +417,8 @@ class FullParamConfig:
     checkpoint_hook: CheckpointHookConfig = field(default_factory=CheckpointHookConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     """Score each committed snapshot with an evaluator in a separate process (issue 21)."""
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    """Copy each committed snapshot to object storage, or run a command on it (issue 26)."""
     assembler: str = "builtin"
     """builtin (this package's assembler) | paddle (Paddle's own full_param, for cross-checking)."""
     on_error: str = "warn"
@@ -388,6 +436,7 @@ class FullParamConfig:
         if self.export.format == "paddle_safetensors" and self.export.aoa not in ("auto",):
             raise ConfigError("export.aoa", "paddle_safetensors keeps Paddle names: leave export.aoa at 'auto'")
         self._check_evaluate()
+        check_against(self, ConfigError)
 
     def _check_evaluate(self) -> None:
         metric = self.retention.metric

@@ -28,6 +28,7 @@ from ..models import processor as processors
 from ..models.model_info import build_model_source, unwrap_model
 from ..plan.decisions import Decision, decide
 from .evaluation import TrainerEvaluations
+from .publishing import TrainerPublishing
 from .paths import check_trainer_paths
 from .topology import build_context, expert_axes_of
 
@@ -70,6 +71,7 @@ class FullParamExportCallback:
         self._last_step: Optional[int] = None
         self._source = None
         self.evaluation = TrainerEvaluations(self.config)  # the evaluation hook's results: .results
+        self.publishing = TrainerPublishing(self.config)  # the publisher's results: .results
 
     @classmethod
     def from_recipe(cls, recipe, overrides: Iterable[str] = (), **kwargs) -> "FullParamExportCallback":
@@ -104,6 +106,7 @@ class FullParamExportCallback:
         if warn and tokenizer is not None and not exp.tokenizer and processors.missing_processor(unwrap_model(model), tokenizer):
             logger.warning("%s", processors.NO_PROCESSOR)
         self.evaluation.check(ctx)  # evaluate.python, before anything is made on disk
+        self.publishing.check(ctx)  # the store proven usable (publish.url), before anything is made on disk
         session = ExportSession(self.config, self._output_dir(args), fn=self.fn, ctx=ctx)
         # the checkpoint hook commits into <trainer output_dir>/checkpoint-N/: every rank must see it too
         trainer_dir = getattr(args, "output_dir", None)
@@ -117,6 +120,7 @@ class FullParamExportCallback:
             raise
         self.session = session
         self.evaluation.start(session, trainer_dir)
+        self.publishing.start(session)
 
     # ---- events ----------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, tokenizer=None, **kwargs):
@@ -125,6 +129,7 @@ class FullParamExportCallback:
 
     def on_step_end(self, args, state, control, **kwargs):
         self.evaluation.drain(self.session, state, self.trainer)  # finished evaluations (coordinator; no collective)
+        self.publishing.drain(self.session, state, self.trainer)  # finished publications (coordinator; no collective)
         n = self.config.trigger.every_n_steps
         if n and state.global_step > 0 and state.global_step % n == 0:
             self._event(args, state, kwargs, "every_n_steps")
@@ -137,6 +142,7 @@ class FullParamExportCallback:
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         metrics = dict(metrics or {})
         self.evaluation.drain(self.session, state, self.trainer)
+        self.publishing.drain(self.session, state, self.trainer)
         if self.config.trigger.on_evaluate or self._trainer_metric:
             self._event(args, state, kwargs, "evaluate", metrics)
 
@@ -145,6 +151,7 @@ class FullParamExportCallback:
             self._event(args, state, kwargs, "train_end")
         self._finish_pending(state)
         self.evaluation.finish(self.session, state, self.trainer)  # evaluate.last, then evaluate.wait_at_end_s
+        self.publishing.finish(self.session, state, self.trainer)  # publish.wait_at_end_s; the rest recorded unfinished
         if self.session is not None:
             # the output directory is this training's while it runs; a later train() (a resume in
             # the same process) sets up again

@@ -2,8 +2,8 @@
 separate process while training goes on, its result recorded beside the manifest
 (``commit/evaluation.py``), logged through the trainer and usable by ``retention.metric``.
 
-``hook.py`` (the coordinator's line of evaluations and its workers), ``runner.py`` (the process
-between the job and the evaluator: priority, log, timeout, status), ``command.py`` (interpreter and
+``hook.py`` (the coordinator's line of evaluations and its workers), ``../runner.py`` (the process
+between the job and the evaluator, shared with the publisher: priority, log, timeout, status), ``command.py`` (interpreter and
 argv), ``result.py`` (from what the runner saw to the record), ``recovery.py`` (what a killed job
 left, settled at the next start), ``offline.py`` (``paddle-fullparam evaluate``), and
 ``perplexity.py``, the bundled evaluator (transformers only, run in the evaluator's environment).

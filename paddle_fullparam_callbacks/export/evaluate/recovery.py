@@ -25,7 +25,7 @@ from typing import Iterable, List, Optional, Tuple
 from ..commit import evaluation as records
 from ..commit.ownership import is_marked
 from .hook import OUTPUT, Evaluation, EvaluationHook, finalize, records_json, runner_state, snapshot_identity
-from .runner import EVALUATOR_PID, STATUS
+from ..runner import EVALUATOR_PID, STATUS
 
 
 def recover(snapshots: Iterable[Tuple[str, int, Path, bool]], hook: Optional[EvaluationHook] = None

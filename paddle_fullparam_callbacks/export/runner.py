@@ -1,15 +1,16 @@
-"""The evaluation runner: one process per evaluation, between the training job and the evaluator.
+"""The runner: one process per job on a committed snapshot, between the training job and the program that
+does the work: the evaluator of the evaluation hook (``evaluate/``), or the publisher (``publish/``: the
+S3 upload process, or ``publish.command``). One runner serves both consumers of snapshots.
 
-    python -I runner.py WORKDIR        (WORKDIR = <snapshot>/.fullparam-eval, holding spec.json)
+    python -I runner.py WORKDIR        (WORKDIR = <snapshot>/.fullparam-eval or .fullparam-publish, holding spec.json)
 
-Started by the hook (``hook.py``) in a session of its own, so it outlives a training job that is
-killed: it lowers its CPU priority (``os.nice``, and its session's autogroup: see
-:func:`lower_priority`), starts the evaluator in a process group of its own (in the same session)
-with its stdout and stderr going to the snapshot's log file, stops that group on timeout
-(SIGTERM, then SIGKILL) or when it is told to stop (SIGTERM: the training ended), and writes
-what happened to ``WORKDIR/status.json`` (atomically): exit code, timeout, the last line the
-evaluator printed. Turning that into the snapshot's record is the package's job (``result.py``),
-done by the hook, or by the next start of a job whose process died meanwhile.
+Started by a hook in a session of its own, so it outlives a training job that is killed: it lowers
+its CPU priority (``os.nice``, and its session's autogroup: see :func:`lower_priority`), starts the
+program (the spec's ``argv``) in a process group of its own (in the same session) with its stdout and
+stderr going to the snapshot's log file, stops that group on timeout (SIGTERM, then SIGKILL) or when
+it is told to stop (SIGTERM: the training ended), and writes what happened to ``WORKDIR/status.json``
+(atomically): exit code, timeout, the last line the program printed. Turning that into the snapshot's
+record is the hook's job, done by the hook, or by the next start of a job whose process died meanwhile.
 
 Only the standard library: it starts in a few milliseconds under any interpreter.
 """
@@ -132,6 +133,28 @@ def run(workdir: str) -> dict:
     status.update(exit_code=code, timed_out=stopper.why == "timeout", terminated=stopper.why == "terminated",
                   last_line=last.decode("utf-8", errors="replace").strip())
     return _finish(workdir, status)
+
+
+def is_alive(pid, workdir: str) -> bool:
+    """Whether ``pid`` is a runner (this file) working on ``workdir``, on this host (``/proc``)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().split(b"\0")
+    except OSError:
+        return False
+    return os.path.basename(__file__).encode() in b" ".join(cmdline) and os.fsencode(str(workdir)) in cmdline
+
+
+def find(workdir: str):
+    """The pid of a runner working on ``workdir`` on this host, or None (for a job that died between
+    starting its runner and recording its pid)."""
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    return next((p for p in pids if p != os.getpid() and is_alive(p, workdir)), None)
 
 
 def _finish(workdir: str, status: dict) -> dict:
