@@ -11,9 +11,13 @@ the way in or out.
 from __future__ import annotations
 
 import pickle
+import time
 from typing import Any, List, Sequence
 
 import numpy as np
+
+
+_ARRIVALS = "paddle_fullparam/arrivals"
 
 
 def _tensor(arr: np.ndarray):
@@ -24,13 +28,34 @@ def _tensor(arr: np.ndarray):
 
 class HostGroup:
     """A process group over host memory. ``ranks``: the global ranks of its members, in group order;
-    ``rank``: this process's global rank (a member)."""
+    ``rank``: this process's global rank (a member); ``store``: the group's own TCP store.
 
-    def __init__(self, pg, ranks: Sequence[int], rank: int):
+    Every collective first waits, through the store, until every member has reached it: a gloo
+    operation gives up after 30 s (gloo's default timeout, which Paddle 3.3.1 does not let a caller
+    set: ``ProcessGroupGloo.create`` takes none), and a member may well be that late (its writer
+    waiting for a slow disk, its trainer saving a checkpoint before an event). Waiting in the store
+    has no such limit; how long a rank may wait is ``export.timeout_s``'s to decide (the watchdog)."""
+
+    def __init__(self, pg, ranks: Sequence[int], rank: int, store=None):
         self.pg = pg
         self.ranks = list(ranks)
         self.rank = rank
         self.index = self.ranks.index(rank)
+        self.store = store
+        self._arrivals = 0  # collectives this member has started: the same sequence on every member
+
+    def ready(self) -> None:
+        """Return once every member has reached its ``ready()`` of the same number. One counter in the
+        store, so nothing accumulates there; the last to arrive does not wait at all."""
+        if self.store is None:
+            return
+        self._arrivals += 1
+        target = self._arrivals * self.size
+        count, delay = self.store.add(_ARRIVALS, 1), 1e-4
+        while count < target:
+            time.sleep(delay)
+            delay = min(2 * delay, 0.01)
+            count = self.store.add(_ARRIVALS, 0)
 
     @property
     def size(self) -> int:
@@ -44,12 +69,14 @@ class HostGroup:
         buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
         out = np.empty((self.size, buf.nbytes), dtype=np.uint8)
         if buf.nbytes:
+            self.ready()
             self.pg.all_gather_into_tensor(_tensor(out.reshape(-1)), _tensor(buf), True).wait()
         return out
 
     def broadcast(self, buf: np.ndarray, src: int) -> None:
         """``buf`` (1-D uint8, writable, C-contiguous) of global rank ``src`` into every member's ``buf``."""
         if buf.nbytes:
+            self.ready()
             self.pg.broadcast(_tensor(buf), self.ranks.index(src), True).wait()
 
     def all_gather_object(self, obj: Any) -> List[Any]:

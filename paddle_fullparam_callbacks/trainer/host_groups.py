@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..assemble.host_group import HostGroup
 
 _GROUP_ID_BASE = 7_000_000  # far from Paddle's own ring ids (its comm contexts are keyed by them)
-_TIMEOUT_S = 900
+_TIMEOUT_S = 900  # to form a group (every member connects to its store); ready() polls and never waits in the store
 _cache: Dict[Tuple[int, ...], HostGroup] = {}
 _created = [0]  # groups this process has walked through (the same count on every rank)
 
@@ -86,8 +86,7 @@ def create_host_groups(groups: Sequence[Sequence[int]], rank: int) -> List[Optio
             continue
         store = _group_store(ranks, rank, f"paddle_fullparam/export_group/{_created[0]}")
         pg = core.ProcessGroupGloo.create(store, ranks.index(rank), len(ranks), _GROUP_ID_BASE + _created[0])
-        group = HostGroup(pg, ranks, rank)
-        group.store = store  # the process group needs its store for its whole life
+        group = HostGroup(pg, ranks, rank, store)  # (the process group needs its store for its whole life)
         _cache[ranks] = group
         out.append(group)
     return out

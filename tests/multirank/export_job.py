@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,6 +46,8 @@ def main():
     ap.add_argument("--param-dtype", default="float32", help="dtype of the model's parameters (bfloat16: bf16 training)")
     ap.add_argument("--device", default="cpu", help="where the parameters live (fakedev: the fake accelerator)")
     ap.add_argument("--budget", default=None, help="export.device_memory_budget")
+    ap.add_argument("--late", type=float, default=0.0,
+                    help="seconds the last rank spends before the save event (a slow checkpoint save)")
     ns = ap.parse_args()
 
     import paddle.distributed as dist
@@ -78,6 +81,8 @@ def main():
         state.global_step = step
         peaks.append(harness.device_peak(lambda: handler.on_step_end(args, state, control))[1])
         if step == 3:
+            if ns.late and rank == dist.get_world_size() - 1:
+                time.sleep(ns.late)  # the others wait in the export's decision exchange meanwhile
             peaks.append(harness.device_peak(lambda: handler.on_save(args, state, control))[1])
     peaks.append(harness.device_peak(lambda: handler.on_train_end(args, state, control))[1])
     dist.barrier()
