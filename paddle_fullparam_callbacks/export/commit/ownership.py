@@ -69,6 +69,17 @@ def read_manifest(directory: Path) -> Optional[dict]:
     return manifest if isinstance(manifest, dict) and "manifest_version" in manifest else None
 
 
+def snapshot_identity(directory: Path) -> Optional[dict]:
+    """What tells a snapshot from another one committed later at the same path (its run, sequence and
+    creation time), or None if ``directory`` is not one of ours: the consumers of snapshots (evaluation,
+    publishing) check it before they act on a path they were handed earlier."""
+    m = read_manifest(directory)
+    if m is None:
+        return None
+    run = m.get("run") if isinstance(m.get("run"), dict) else {}
+    return {"run": run.get("id"), "seq": run.get("seq"), "created_unix": m.get("created_unix")}
+
+
 def is_snapshot(directory: Path) -> bool:
     return Path(directory).is_dir() and read_manifest(directory) is not None
 

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Set
 from ... import _faults
 from ...config.schema import EvaluateConfig
 from ..commit import evaluation as records
-from ..commit.ownership import delete_marked, is_marked, mark, read_manifest
+from ..commit.ownership import delete_marked, is_marked, mark, snapshot_identity
 from ..write.fsync import write_json_durable
 from . import result as results
 from .command import build_argv, describe
@@ -66,15 +66,6 @@ class Evaluation:
     @property
     def scores(self) -> dict:
         return records.scores_of(self.record)
-
-
-def snapshot_identity(path: Path) -> Optional[dict]:
-    """What tells this snapshot from another one committed later at the same path."""
-    m = read_manifest(path)
-    if m is None:
-        return None
-    run = m.get("run") if isinstance(m.get("run"), dict) else {}
-    return {"run": run.get("id"), "seq": run.get("seq"), "created_unix": m.get("created_unix")}
 
 
 class EvaluationHook:

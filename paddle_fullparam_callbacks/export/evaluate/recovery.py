@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Iterable, List, Optional, Tuple
 
 from ..commit import evaluation as records
-from ..commit.ownership import is_marked
-from .hook import OUTPUT, Evaluation, EvaluationHook, finalize, records_json, runner_state, snapshot_identity
+from ..commit.ownership import is_marked, snapshot_identity
+from .hook import OUTPUT, Evaluation, EvaluationHook, finalize, records_json, runner_state
 from ..runner import EVALUATOR_PID, STATUS
 
 

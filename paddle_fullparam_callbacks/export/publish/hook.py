@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Set
 
 from ... import _faults
 from ...config.schema import FullParamConfig
-from ..commit.ownership import delete_marked, is_marked, mark, read_manifest
+from ..commit.ownership import delete_marked, is_marked, mark, snapshot_identity
 from ..commit.pointers import read_pointer
 from ..runner import KILL_GRACE_S, STATUS, is_alive
 from ..write.fsync import write_json_durable
@@ -66,14 +66,6 @@ class Publication:
     @property
     def status(self) -> str:
         return (self.entry or {}).get("status", records.RUNNING)
-
-
-def identity(path: Path) -> Optional[dict]:
-    m = read_manifest(path)
-    if m is None:
-        return None
-    run = m.get("run") if isinstance(m.get("run"), dict) else {}
-    return {"run": run.get("id"), "seq": run.get("seq"), "created_unix": m.get("created_unix")}
 
 
 class PublishHook:
@@ -209,7 +201,7 @@ class PublishHook:
                 skipped, self._skipped = self._skipped, []
             for p in skipped:
                 try:
-                    if identity(p.path) is not None:
+                    if snapshot_identity(p.path) is not None:
                         self._write(p, p.entry)
                 except OSError as e:
                     p.entry["error"] += f" (the record could not be written: {e})"
@@ -222,7 +214,7 @@ class PublishHook:
             except Exception as e:  # never into training: recorded, logged once at the drain
                 pub.entry = {**(pub.running or self._base(pub)), "status": records.FAILED,
                              "error": f"the publisher failed: {type(e).__name__}: {e}"}
-                if pub.kind == "snapshot" and identity(pub.path) is not None:
+                if pub.kind == "snapshot" and snapshot_identity(pub.path) is not None:
                     try:
                         self._write(pub, pub.entry)
                     except OSError:
@@ -250,7 +242,7 @@ class PublishHook:
         ret = self.config.retention
         return {"snapshot": str(pub.path), "name": pub.name, "step": pub.step, "output_dir": str(self.output_dir),
                 "work": str(work), "publish": dataclasses.asdict(self.cfg), "name_template": self.config.export.name_template,
-                "run_id": (identity(pub.path) or {}).get("run") or self.run_id, "other_runs": ret.other_runs, "metric": ret.metric, "mode": ret.mode}
+                "run_id": (snapshot_identity(pub.path) or {}).get("run") or self.run_id, "other_runs": ret.other_runs, "metric": ret.metric, "mode": ret.mode}
 
     def _store_job(self, pub: Publication) -> None:
         from .engine import sync_pointers
@@ -271,7 +263,7 @@ class PublishHook:
         if self._closing.is_set():
             pub.entry = self._unfinished(pub, "not started: the training ended first")
             return
-        ident = identity(pub.path)
+        ident = snapshot_identity(pub.path)
         if ident is None:
             pub.entry = {**self._base(pub), "status": records.FAILED, "error": "the snapshot is gone (removed before "
                                                                                "its publication started)"}
@@ -345,7 +337,7 @@ class PublishHook:
     def _unfinished(self, pub: Publication, why: str) -> dict:
         entry = {**self._base(pub), "status": records.UNFINISHED,
                  "error": f"{why}; the next start, or `paddle-fullparam publish`, finishes it"}
-        if identity(pub.path) is not None:
+        if snapshot_identity(pub.path) is not None:
             try:
                 self._write(pub, entry)
             except OSError as e:
