@@ -3,6 +3,7 @@ publisher (the S3 URL, the part size, the journal, the record, the final entry) 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -152,6 +153,7 @@ def test_a_runner_started_but_never_recorded_is_found_and_adopted(tmp_path):
     from paddle_fullparam_callbacks.export.commit.ownership import mark
     from paddle_fullparam_callbacks.export.publish.hook import RUNNER
     from paddle_fullparam_callbacks.export.publish.recovery import recover
+    from paddle_fullparam_callbacks.export.runner import is_alive
 
     snap = tmp_path / "hf-step-000003"
     work = snap / records.WORKDIR
@@ -164,6 +166,11 @@ def test_a_runner_started_but_never_recorded_is_found_and_adopted(tmp_path):
                                                 "log": str(snap / records.LOG)}))
     runner = subprocess.Popen([sys.executable, "-I", str(RUNNER), str(work)], start_new_session=True)
     try:
+        # Popen returns once exec() is under way, when /proc/<pid>/cmdline can still read empty for a moment
+        # (seen 1 time in 5): a runner found at a job's next start has been running for a long while
+        deadline = time.monotonic() + 30
+        while not is_alive(runner.pid, str(work)) and time.monotonic() < deadline:
+            time.sleep(0.001)
         out = recover(None, [(snap.name, 3, snap, "r1")], "s3://bkt/run", "r1")
         assert [(p.name, p.adopted, p.running["pid"]) for p in out["adopted"]] == [(snap.name, True, runner.pid)]
         assert out["todo"] == [] and out["settled"] == []

@@ -364,7 +364,7 @@ def finalize(path: Path, destination: str, running: dict, stopped_after_s: Optio
     published; the work folder goes once the publication is ok (else its journal stays for the resume)."""
     work = path / records.WORKDIR
     entry = final_entry(running, work / STATUS, work / OUTPUT, path / records.LOG, stopped_after_s)
-    current = identity(path)
+    current = snapshot_identity(path)
     if current is None or (running.get("identity") and current != running.get("identity")):
         entry["error"] = ((entry.get("error") + "; ") if entry.get("error") else "") + (
             "the snapshot was removed while it was published" if current is None else
