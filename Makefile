@@ -7,7 +7,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 ENV := scripts/env.sh
 BASE_PYTHON := $${PFC_BASE_PYTHON:-python3}
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=15
 # what the PaddleFormers pass runs (tests/test_install.py builds and installs the wheel)
 TESTS ?= tests
 export PYTHONPATH := $(CURDIR)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 SCRIPT = r'''
@@ -35,7 +36,10 @@ with open(plan["calls"], "a") as f:
                         "nice": os.nice(0), "autogroup": group, "snapshot": snapshot}) + "\n")
 what = plan.get("by_step", {}).get(str(step), plan.get("default", "ok"))
 if what == "gate":
+    deadline = time.monotonic() + 600  # a test that never opens the gate leaves no process behind for long
     while not os.path.exists(plan["gate"].replace("{step}", str(step))):
+        if time.monotonic() > deadline:
+            sys.exit("the gate never opened")
         time.sleep(0.02)
     what = "ok"
 result = {"score": plan.get("scores", {}).get(str(step), 100.0 / max(step, 1)), "step": step, "nice": os.nice(0)}
@@ -79,6 +83,16 @@ def calls(tmp_path: Path, name: str = "fake_eval") -> list:
 def python_override() -> str:
     """evaluate.python for the fakes: this interpreter (any would do)."""
     return f"evaluate.python={sys.executable}"
+
+
+def wait_until(condition, what: str, timeout_s: float = 120.0, every_s: float = 0.02) -> None:
+    """Poll ``condition()`` until it is true; after ``timeout_s``, fail the test naming ``what`` (a wait
+    in a test never hangs the suite)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:g} s for {what}")
+        time.sleep(every_s)
 
 
 def alive(pid: int) -> bool:

@@ -3,8 +3,12 @@
 everything else runs in both."""
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,71 @@ ROOT = Path(__file__).resolve().parents[1]
 # checkout, also when pytest was started without PYTHONPATH
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                           if p and Path(p).resolve() != ROOT]])
+
+
+# Every test's setup and call get a time limit (PFC_TEST_TIMEOUT_S, default 600 s; the slowest test
+# takes about 100 s here): a hang fails that test, with every thread's stack on stderr, and the suite
+# goes on, instead of eating CI's 90 minutes in silence. A watchdog thread signals the main thread
+# (SIGUSR2; SIGALRM is left to the tests that use it), so a blocking wait() or sleep is interrupted.
+TEST_TIMEOUT_S = float(os.environ.get("PFC_TEST_TIMEOUT_S", "600"))
+
+
+class TestTimeout(Exception):
+    __test__ = False  # not a test class
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _time_limit(item, "setup"):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _time_limit(item, "call"):
+        yield
+
+
+_armed = {"what": None}  # the phase a late signal may still interrupt, or None
+
+
+def _on_timeout(signum, frame):
+    what = _armed["what"]
+    if what is not None:  # a signal that arrives after its phase ended is ignored
+        _armed["what"] = None
+        raise TestTimeout(f"{what} ran longer than {TEST_TIMEOUT_S:g} s (PFC_TEST_TIMEOUT_S); "
+                          "the stacks of every thread are above, on stderr")
+
+
+class _time_limit:
+    def __init__(self, item, phase: str):
+        self.what = f"{item.nodeid} ({phase})"
+        self.timer = None
+
+    def __enter__(self):
+        if TEST_TIMEOUT_S <= 0 or threading.current_thread() is not threading.main_thread():
+            return self
+        if signal.getsignal(signal.SIGUSR2) is not _on_timeout:
+            signal.signal(signal.SIGUSR2, _on_timeout)
+
+        def fire():
+            if _armed["what"] != self.what:
+                return
+            sys.stderr.write(f"\n== {self.what}: over {TEST_TIMEOUT_S:g} s, the stacks of its threads:\n")
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
+
+        _armed["what"] = self.what
+        self.timer = threading.Timer(TEST_TIMEOUT_S, fire)
+        self.timer.daemon = True
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.timer is not None:
+            _armed["what"] = None
+            self.timer.cancel()
+        return False
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from paddle_fullparam_callbacks.export.commit import evaluation as records
 from paddle_fullparam_callbacks.export.commit.retention import list_snapshots
 from paddle_fullparam_callbacks.plan.naming import snapshot_step_pattern
 
-from _evaluators import Recorder, alive, calls, fake_evaluator, python_override, stop_leftovers
+from _evaluators import Recorder, alive, calls, fake_evaluator, python_override, stop_leftovers, wait_until
 from _helpers import listing, run_cli
 
 pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
@@ -180,8 +179,7 @@ def test_a_job_killed_while_an_evaluation_runs_gets_its_result_recorded_at_the_n
     assert running["status"] == "running" and alive(running["pid"])  # the runner outlived the job
     kept = {p: p.read_bytes() for p in (snaps / name(2)).iterdir() if p.is_file() and p.name not in (records.RECORD, records.LOG)}
     Path(tmp_path / "gate-2").write_text("go")
-    while alive(running["pid"]):
-        time.sleep(0.05)
+    wait_until(lambda: not alive(running["pid"]), f"the runner (pid {running['pid']}) to end", every_s=0.05)
     # the next start (a new job into the same directory) records the result the runner left
     cb, _ = train(tmp_path, [f"evaluate.command={fake_evaluator(tmp_path, {}, name='next')}",
                              "trigger.every_n_steps=100", "trigger.on_train_end=false"], 1)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _evaluators import alive, calls, fake_evaluator, stop_leftovers  # noqa: E402
+from _evaluators import alive, calls, fake_evaluator, stop_leftovers, wait_until  # noqa: E402
 
 from paddle_fullparam_callbacks.config import load_config  # noqa: E402
 from paddle_fullparam_callbacks.config.schema import ConfigError, EvaluateConfig  # noqa: E402
@@ -205,8 +205,7 @@ def test_the_end_of_training_stops_what_is_left_as_unfinished(tmp_path):
     hook = _hook(tmp_path, {"default": "hang"}, max_concurrent=1)
     for step in (1, 2):
         hook.committed(f"hf-step-{step:06d}", _snapshot(out, step), step)
-    while not calls(tmp_path):  # the first one has started (the second waits in line)
-        time.sleep(0.02)
+    wait_until(lambda: calls(tmp_path), "the first evaluator to start")  # (the second waits in line)
     assert hook.busy() == {"hf-step-000001", "hf-step-000002"}
     hook.close(wait_s=0)
     got = {ev.step: ev.record for ev in hook.drain()}
@@ -225,9 +224,10 @@ def test_a_killed_jobs_evaluation_is_recorded_or_marked_unfinished_at_the_next_s
     snaps = {s: _snapshot(out, s) for s in (1, 2, 3)}
     (snaps[1] / "user.txt").write_text("mine")
     job = subprocess.Popen([sys.executable, "-c", JOB, command, str(out)], stdout=subprocess.PIPE, text=True)
-    runners = json.loads(job.stdout.readline())  # the job prints its runners' pids, then is killed
-    while len(calls(tmp_path)) < 3:  # every evaluator has started
-        time.sleep(0.02)
+    line = job.stdout.readline()  # the job prints its runners' pids, then is killed
+    assert line, f"the job ended before its runners ran (exit {job.wait()})"
+    runners = json.loads(line)
+    wait_until(lambda: len(calls(tmp_path)) >= 3, f"every evaluator to start: {calls(tmp_path)}")
     job.kill()
     job.wait()
     ours = (records.RECORD, records.LOG)  # the evaluation's own files; everything else must stay as it was
@@ -237,16 +237,15 @@ def test_a_killed_jobs_evaluation_is_recorded_or_marked_unfinished_at_the_next_s
     os.kill(runners["2"], signal.SIGKILL)  # killed with the job: no status
     (tmp_path / "gate-1").write_text("go")  # 1 finishes after the job died; 3 keeps waiting: still running at the next start
     for step in ("1", "2"):
-        while alive(runners[step]):
-            time.sleep(0.02)
+        wait_until(lambda: not alive(runners[step]), f"runner {step} (pid {runners[step]}) to end")
     hook = EvaluationHook(EvaluateConfig(command=command), PY, run_id="r2")
     settled, alive_now = recover([(s.name, step, s, True) for step, s in snaps.items()], hook)
     assert {ev.step: ev.status for ev in settled} == {1: "ok", 2: "unfinished"} and [ev.step for ev in alive_now] == [3]
     assert records.read_record(snaps[1])["scores"]["score"] == 100.0
     assert "ended without a result" in records.read_record(snaps[2])["error"]
     orphan = next(c["pid"] for c in calls(tmp_path) if c["step"] == 2)
-    while alive(orphan):  # its evaluator, left without its runner, was stopped (provably ours: PFC_OUTPUT)
-        time.sleep(0.02)
+    # its evaluator, left without its runner, was stopped (provably ours: PFC_OUTPUT)
+    wait_until(lambda: not alive(orphan), f"the orphaned evaluator (pid {orphan}) to be stopped")
     assert hook.busy() == {"hf-step-000003"}  # adopted: retention keeps it
     (tmp_path / "gate-3").write_text("go")
     hook.close(wait_s=60)
@@ -267,8 +266,10 @@ command, out = sys.argv[1], Path(sys.argv[2])
 hook = EvaluationHook(EvaluateConfig(command=command, max_concurrent=3), [sys.executable], run_id="r1")
 for step in (1, 2, 3):
     hook.committed(f"hf-step-{step:06d}", out / f"hf-step-{step:06d}", step)
-pids = {}
+pids, deadline = {}, time.monotonic() + 120
 while len(pids) < 3:
+    if time.monotonic() > deadline:
+        sys.exit(f"the runners did not all record themselves as running: {pids}")
     for step in (1, 2, 3):
         r = records.read_record(out / f"hf-step-{step:06d}")
         if r and r["status"] == "running":
@@ -285,8 +286,7 @@ def test_a_snapshot_replaced_while_evaluated_does_not_get_the_old_score(tmp_path
     hook = _hook(tmp_path, {"default": "gate", "gate": str(gate)})
     snap = _snapshot(out, 1)
     hook.committed("hf-step-000001", snap, 1)
-    while not calls(tmp_path):
-        time.sleep(0.02)
+    wait_until(lambda: calls(tmp_path), "the evaluator to start")
     manifest = json.loads((snap / "fullparam_manifest.json").read_text())
     (snap / "fullparam_manifest.json").write_text(json.dumps({**manifest, "run": {"id": "r1", "seq": 9}}))
     gate.write_text("go")
