@@ -176,7 +176,7 @@ def facts(out: Path) -> dict:
     import blake3
     import numpy as np
 
-    from paddle_fullparam_callbacks.export.write.copy import copy_into
+    from paddle_fullparam_callbacks.host.copy import copy_into
 
     def gbs(nbytes, fn, reps=5):
         ts = []
