@@ -15,6 +15,7 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple
 import numpy as np
 
 from .. import _dtypes
+from ..host.lazy import LazyArray
 from .arrays import Region, assemble_destination, cast_for_export, is_whole, permutations_and_cast, region_of
 from .device import DeviceBoundary, dtype_of
 from .mapping import DestinationMap, MappingError
@@ -79,6 +80,9 @@ class LocalAssembler:
 
     def _region(self, desc) -> Region:
         arr, dtype = self._source(desc.key)
+        if isinstance(arr, LazyArray) and (any(desc.global_offset) or tuple(desc.local_shape) != tuple(arr.shape)):
+            arr = arr.materialize()  # a part of a lazy (merged) source: computed once, held while still needed
+            self._held[desc.key] = (arr, dtype)
         return region_of(arr, desc.global_offset, desc.local_shape), dtype
 
     def run(self, names: Iterable[str]) -> Iterator[Tuple[str, np.ndarray]]:

@@ -126,6 +126,11 @@ class ExportConfig:
     the model's largest tensor ('0' allowed). Slices are copied to host memory in chunks (views: no
     device memory) and assembled there; a cast to export.dtype runs on the device chunk by chunk when
     a chunk fits in this budget, on the host otherwise. CPU parameters: ignored."""
+    threads: Any = "auto"
+    """Worker threads of this rank for an export's byte work (transposed copies into file order, casts,
+    LoRA merges, BLAKE3), each large tensor cut into blocks of a few MB: a whole number >= 1, or auto:
+    the CPUs of this rank's affinity divided among the job's ranks on the node (PADDLE_LOCAL_SIZE).
+    Beside them each writer has one thread for its writes."""
 
     def __post_init__(self):
         _check_choice("export.format", self.format, EXPORT_FORMATS)
@@ -138,6 +143,10 @@ class ExportConfig:
         _check_size("export.max_shard_size", self.max_shard_size)
         _check_size("export.max_pending_bytes", self.max_pending_bytes)
         _check_size("export.device_memory_budget", self.device_memory_budget, allow_zero=True)
+        n = self.threads
+        if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ConfigError("export.threads", f"must be a whole number >= 1 or auto (this rank's share of the "
+                                                f"node's CPUs); got {n!r}")
         t = self.timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0):
             raise ConfigError("export.timeout_s", f"must be a number of seconds > 0 (or null: no timeout); got {t!r}")

@@ -127,7 +127,8 @@ def f32_to_bf16(out: np.ndarray, src: np.ndarray, use_ml_dtypes: bool = True) ->
     ['0x3f80', '0x3f80', '0x3f82', '0x7fff']
     """
     if use_ml_dtypes and _BF16 is not None:
-        np.copyto(out.view(_BF16), src, casting="unsafe")
+        with np.errstate(invalid="ignore"):  # NaNs raise the invalid flag; they are rewritten below
+            np.copyto(out.view(_BF16), src, casting="unsafe")
     else:
         u = src.view(np.uint32)
         t = scratch(4 * src.size).view(np.uint32).reshape(src.shape)

@@ -62,6 +62,13 @@ class LazyArray:
         current().run([_filler(self, out, r0, r1) for r0, r1 in row_blocks(self, MATERIALIZE_BLOCK)])
         return out
 
+    def transpose(self, *axes):
+        """A subclass that can transpose lazily overrides this; here the values are computed first."""
+        return self.materialize().transpose(*axes)
+
+    def __getitem__(self, index):
+        return self.materialize()[index]
+
     def __array__(self, dtype=None, copy=None):
         arr = self.materialize()
         return arr if dtype is None else arr.astype(dtype, copy=False)

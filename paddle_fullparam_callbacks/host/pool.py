@@ -12,6 +12,7 @@ each rank to cores of its own already gives each a small affinity: set ``export.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -162,10 +163,23 @@ def shared(threads) -> WorkerPool:
         return pool
 
 
+@contextlib.contextmanager
+def using(pool: WorkerPool):
+    """``pool`` is :func:`current` inside the block (tests, benchmarks: a pool of a given size)."""
+    with _SHARED_LOCK:
+        before = list(_CURRENT)
+        _CURRENT[:] = [pool]
+    try:
+        yield pool
+    finally:
+        with _SHARED_LOCK:
+            _CURRENT[:] = before
+
+
 def current() -> WorkerPool:
     """The pool of the export in progress (the last :func:`shared` one; ``auto`` before any)."""
     return _CURRENT[0] if _CURRENT else shared("auto")
 
 
 __all__ = ["WorkerPool", "current", "default_threads", "in_worker", "local_ranks", "resolve_threads", "shared",
-           "usable_cores"]
+           "usable_cores", "using"]

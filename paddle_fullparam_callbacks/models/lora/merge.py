@@ -13,14 +13,19 @@ A block is merged alone: r is never split over ranks, so the block of ``W`` a te
 holds merges with the rows of ``A`` and the columns of ``B`` it holds, and each element of the result
 is the same sum as in the whole tensor.
 
-bfloat16 and float16 weights are merged in float32 and cast back once (by the caller, with Paddle's
-cast); adapters kept in those dtypes are widened to float32 first (exactly), as peft does on CPU.
+bfloat16 and float16 weights are merged in float32 and cast back once (with Paddle's bits); adapters
+kept in those dtypes are widened to float32 first (exactly), as peft does on CPU.
+
+At export, a merge is a :class:`MergedArray`: the product at once, the rest block by block on the worker
+threads where it is written (``host/lazy.py``).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ... import _dtypes
+from ...host.casts import cast_into, scratch
+from ...host.lazy import LazyArray
 
 
 def as_float32(arr: np.ndarray, dtype: str) -> np.ndarray:
@@ -77,4 +82,55 @@ def merged_block(w: np.ndarray, w_dtype: str, a: np.ndarray, a_dtype: str, b: np
     return out
 
 
-__all__ = ["as_float32", "delta_hf", "merged_block"]
+class MergedArray(LazyArray):
+    """``W + s * A @ B`` in ``w_dtype`` with :func:`merged_block`'s bits, the product made at once and the
+    rest (the scalar, the sum, the cast, the transpose) a block at a time where it is consumed: in
+    Paddle's ``[in, out]`` layout, or ``transposed`` (Hugging Face's ``[out, in]``).
+
+    The product ``A @ B`` is one matrix product of the whole weight's shape: OpenBLAS's float32 kernels
+    give an element bits that depend on where it falls in the kernel's tiles, so a product made in
+    blocks differs from the whole one (measured: r >= 32 here) and from peft's. The element-wise steps
+    have no such dependence."""
+
+    def __init__(self, w, w_dtype: str, a, a_dtype: str, b, b_dtype: str, scaling: float,
+                 transposed: bool = False, product=None, rows=None, cols=None):
+        r = a.shape[1]
+        if a.shape[0] != w.shape[0] or b.shape != (r, w.shape[1]):
+            raise ValueError(f"LoRA block shapes do not fit: W {list(w.shape)}, A {list(a.shape)}, B {list(b.shape)}")
+        if product is None:
+            product = np.matmul(as_float32(a, a_dtype), as_float32(b, b_dtype))
+        self.w, self.w_dtype, self.product, self.scaling, self.transposed = w, w_dtype, product, scaling, transposed
+        self.rows_, self.cols_ = rows or (0, w.shape[0]), cols or (0, w.shape[1])
+        m, n = self.rows_[1] - self.rows_[0], self.cols_[1] - self.cols_[0]
+        self.shape, self.dtype = ((n, m) if transposed else (m, n)), w.dtype
+        self._ab = (a, a_dtype, b, b_dtype)
+
+    def _narrowed(self, rows, cols, transposed) -> "MergedArray":
+        return MergedArray(self.w, self.w_dtype, *self._ab, self.scaling, transposed, self.product, rows, cols)
+
+    def rows(self, r0: int, r1: int) -> "MergedArray":
+        if self.transposed:  # rows of the transpose: columns of W
+            c = self.cols_[0]
+            return self._narrowed(self.rows_, (c + r0, c + r1), True)
+        r = self.rows_[0]
+        return self._narrowed((r + r0, r + r1), self.cols_, False)
+
+    def transpose(self, *axes):
+        axes = tuple(axes[0]) if len(axes) == 1 and not isinstance(axes[0], int) else axes
+        if axes not in ((1, 0), ()):
+            return super().transpose(*axes)
+        return self._narrowed(self.rows_, self.cols_, not self.transposed)
+
+    @property
+    def T(self):
+        return self.transpose()
+
+    def fill(self, out: np.ndarray) -> None:
+        (r0, r1), (c0, c1) = self.rows_, self.cols_
+        tmp = scratch((r1 - r0) * (c1 - c0) * 4, 3).view(np.float32).reshape(r1 - r0, c1 - c0)
+        np.multiply(self.product[r0:r1, c0:c1], np.float32(self.scaling), out=tmp)  # as merged_block: the scalar,
+        tmp += as_float32(self.w[r0:r1, c0:c1], self.w_dtype)  # then W, one rounding each
+        cast_into(out, tmp.T if self.transposed else tmp, "float32", self.w_dtype)
+
+
+__all__ = ["MergedArray", "as_float32", "delta_hf", "merged_block"]
