@@ -130,13 +130,15 @@ class DeviceBoundary:
     def _casts(self, dtype: str, cast_to: Optional[str]) -> bool:
         return bool(cast_to) and cast_to != dtype and _dtypes.lookup(dtype).is_float and _dtypes.lookup(cast_to).is_float
 
-    def _host_cast(self, arr: np.ndarray, dtype: str, want: str) -> np.ndarray:
-        from .arrays import cast_array
+    def _host_cast(self, arr: np.ndarray, dtype: str, want: str):
+        """The cast on the host: a lazy array (``host.lazy.CastArray``), computed block by block on the
+        worker threads where it is consumed (the writer's copy buffers), never as a whole new tensor."""
+        from .arrays import lazy_cast
 
         if want == dtype:
             return arr
         self.stats.host_casts += 1
-        return cast_array(arr, dtype, want)
+        return lazy_cast(arr, dtype, want)
 
     def _usable(self) -> int:
         """Bytes one device allocation may ask for so that, rounded up by the allocator, it fits the budget."""

@@ -113,6 +113,13 @@ class CastArray(LazyArray):
     def fill(self, out: np.ndarray) -> None:
         cast_into(out, computed(self.src, 2 + self.depth), self.src_dtype, self.dst_dtype)
 
+    def transpose(self, *axes) -> "CastArray":
+        return CastArray(self.src.transpose(*axes), self.src_dtype, self.dst_dtype, self.dtype)
+
+    @property
+    def T(self) -> "CastArray":
+        return self.transpose()
+
 
 def materialize_all(arrays: Sequence) -> list:
     """Arrays as they are, lazy arrays computed (for consumers that need plain arrays)."""
