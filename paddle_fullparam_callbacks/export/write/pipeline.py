@@ -113,20 +113,51 @@ class Piece:
         self.hash_it = False
 
 
-class Pipeline:
-    """Runs pieces on the worker threads of ``pool`` and two threads of its own, or, without a pool,
-    on the caller's thread.
+class _InOrder:
+    """One stage (hash, write) that pieces pass in submission order, one at a time: run by whichever
+    worker finds the next piece prepared, while the other workers prepare the pieces after it."""
 
-    * **Prepare** (the pool's workers, as many pieces at once as there are workers): a strided piece
-      is copied into file order, a lazy one computed, into its buffer; one large tensor is many
-      pieces, so it keeps every worker busy.
-    * **Hash** (in file order, by whichever worker finds the next piece prepared: BLAKE3 is a stream,
-      so one piece at a time, while the other workers prepare the pieces after it).
-    * **Write** (one thread, in order): ``pwrite`` once a piece's bytes are there (a contiguous piece
-      at once). Writes to one file do not gain from more threads: the kernel holds the file's lock
-      for each write.
-    * A third, mostly idle, thread starts early writeback and ends files (fsync) while the next file
-      is being written.
+    def __init__(self, run: Callable[[Piece], None]):
+        self._run = run
+        self._q: "collections.deque" = collections.deque()
+        self._busy = False
+        self._lock = threading.Lock()
+
+    def add(self, piece: Piece) -> None:
+        with self._lock:
+            self._q.append(piece)
+
+    def advance(self) -> None:
+        """Run the stage on every piece at the head that is prepared, unless another worker is doing it
+        (it will find them: a piece is marked prepared before its worker calls this)."""
+        with self._lock:
+            if self._busy:
+                return
+            self._busy = True
+        while True:
+            with self._lock:
+                if not self._q or not self._q[0].ready.is_set():
+                    self._busy = False
+                    return
+                piece = self._q.popleft()
+            self._run(piece)
+
+
+class Pipeline:
+    """Runs pieces on the worker threads of ``pool`` (and a mostly idle thread of its own), or, without
+    a pool, on the caller's thread. A piece passes three stages:
+
+    * **prepare** (any worker, as many pieces at once as there are workers): a strided piece is copied
+      into file order, a lazy one computed, into its buffer; one large tensor is many pieces, so it keeps
+      every worker busy;
+    * **hash** (in file order: BLAKE3 is a stream) and **write** (``pwrite``, in file order: writes to one
+      file do not gain from more threads, the kernel holds the file's lock for each), each run by
+      whichever worker finds the next piece prepared, one piece at a time per stage, the two stages side
+      by side. No thread waits for another's stage: a worker that finds nothing to hash or write takes
+      the next piece to prepare, so ``export.threads`` cores are all the export uses, and all it keeps busy.
+
+    A third, mostly idle, thread starts early writeback and ends files (fsync) while the next file is
+    being written.
 
     ``file`` objects need ``fd``, ``hash``, ``wrote(nbytes)`` (True: time to start writeback) and
     ``end(stopped)`` (fsync, close, digest; called on the file thread after the file's last piece).
@@ -141,11 +172,9 @@ class Pipeline:
         self.threaded = self._open = pool is not None
         self._live = 0  # pieces submitted and not yet both hashed and written
         self._cv = threading.Condition()
-        self._hash_q: "collections.deque" = collections.deque()  # pieces in file order, not yet hashed
-        self._hashing = False  # a worker is hashing (one at a time, in order)
+        self._hashes, self._writes = _InOrder(self._hash), _InOrder(self._write)
         if self.threaded:
-            self._write_q, self._file_q = queue.SimpleQueue(), queue.SimpleQueue()
-            self._writer = self._start(self._write_loop, "pfc-write")
+            self._file_q = queue.SimpleQueue()
             self._filer = self._start(self._file_loop, "pfc-file")
 
     @staticmethod
@@ -168,9 +197,9 @@ class Pipeline:
         piece.left = Countdown(lambda: self._finished(piece), 2)
         with self._cv:
             self._live += 1
-            self._hash_q.append(piece)
-        self._write_q.put(piece)
-        self._pool.submit(lambda: self._prepare_then_hash(piece))
+        self._hashes.add(piece)
+        self._writes.add(piece)
+        self._pool.submit(lambda: self._work(piece))
 
     def end_file(self, file) -> None:
         """``file.end()`` on the file thread, behind its writeback requests."""
@@ -184,13 +213,11 @@ class Pipeline:
         self.stopped = True
 
     def close(self) -> None:
-        """Wait until everything queued is done; the threads end."""
+        """Wait until everything queued is done; the file thread ends."""
         if not self._open:
             return
         self._open = False
-        self._write_q.put(None)
-        self._writer.join()
-        with self._cv:  # the last pieces may still be hashing on a worker
+        with self._cv:  # the last pieces may still be hashing or writing on a worker
             while self._live:
                 self._cv.wait()
         self._file_q.put(None)  # every file end is queued by now (by the last piece of the file)
@@ -223,21 +250,11 @@ class Pipeline:
             piece.src = None  # the producer's memory is not held by a piece once its bytes are copied
             piece.ready.set()
 
-    def _prepare_then_hash(self, piece: Piece) -> None:
-        """A worker's task: prepare the piece, then hash every prepared piece next in file order, unless
-        another worker is doing that (it will find this one)."""
+    def _work(self, piece: Piece) -> None:
+        """A worker's task: prepare the piece, then take the hash and write stages as far as they go."""
         self._prepare(piece)
-        with self._cv:
-            if self._hashing:
-                return
-            self._hashing = True
-        while True:
-            with self._cv:
-                if not self._hash_q or not self._hash_q[0].ready.is_set():
-                    self._hashing = False
-                    return
-                nxt = self._hash_q.popleft()
-            self._hash(nxt)
+        self._hashes.advance()
+        self._writes.advance()
 
     def _hash(self, piece: Piece) -> None:
         try:
@@ -252,9 +269,6 @@ class Pipeline:
 
     def _write(self, piece: Piece) -> None:
         try:
-            if not piece.ready.is_set():
-                with self.stats.timed("write_wait_s"):
-                    piece.ready.wait()
             if not self.stopped:
                 with self.stats.timed("write_s"):
                     self._pwrite(piece.file.fd, piece.view, piece.offset)
@@ -305,9 +319,6 @@ class Pipeline:
                 return
             fn(item)
             item = None  # not held while waiting for the next: a tensor's memory goes once it is written
-
-    def _write_loop(self) -> None:
-        self._loop(self._write_q, self._write)
 
     def _file_loop(self) -> None:
         self._loop(self._file_q, lambda item: (self._end if item[0] == "end" else self._writeback)(item[1]))
