@@ -311,10 +311,9 @@ def _breakdown(runs: list) -> dict:
         "pending-bytes budget); flush_s = waiting for the writer after the last tensor; commit_s = "
         "index, config, manifest, rename. writer (seconds summed over threads, they overlap): copy_s = "
         "transposed views into file order, fill_s = lazy arrays computed into the copy buffers (casts to "
-        "export.dtype, LoRA merges), hash_s = BLAKE3 in file order (all three on the export.threads workers); "
-        "write_s = pwrite into the page cache (write thread), write_wait_s = it waiting for a piece still "
-        "being prepared; pool_wait_s = the writer thread waiting for a free copy buffer; writeback_s, "
-        "fsync_s (file thread); allocate_s = fallocate (not on tmpfs)."
+        "export.dtype, LoRA merges), hash_s = BLAKE3 in file order, write_s = pwrite into the page cache in "
+        "file order (all four on the export.threads workers); pool_wait_s = the writer thread waiting for a "
+        "free copy buffer; writeback_s, fsync_s (file thread); allocate_s = fallocate (not on tmpfs)."
     )
     return out
 
