@@ -61,7 +61,7 @@ def check_single_process(report: dict) -> None:
         assert dev["contiguous_calls"] >= dev["device_transposes"], (case, dev)
         assert 0 < cases[case]["mixed"]["device_transposes"] < dev["device_transposes"], case  # CPU ones on the host
     lora = cases["lora"]["device"]
-    assert lora["device_transposes"] == lora["transposes_asked"] == 2 * cases["llama"]["device"]["device_transposes"]
+    assert lora["device_transposes"] == lora["transposes_asked"] > 0  # the adapter's factors; merged weights not asked
     for case in ("llama_bf16_budget0", "no_transpose"):
         assert cases[case]["device"]["device_transposes"] == cases[case]["device"]["contiguous_calls"] == 0, case
     assert cases["no_transpose"]["device"]["files"] == cases["llama_bf16"]["device"]["files"]
