@@ -36,8 +36,8 @@ ROOT = BENCH.parent
 
 # (stage, substrings of a frame): the first stage whose substring is in a sample's deepest matching frame
 STAGES = [
-    ("lora product (matmul)", ("MergedArray.__init__", "delta_hf", "merged_block")),
-    ("lora merge (scale, add)", ("MergedArray.fill",)),
+    ("lora product (matmul)", ("_Product.get", "MergedArray.__init__", "delta_hf", "merged_block")),
+    ("lora merge (scale, add)", ("MergedArray.fill", "merge_transform")),
     ("cast to export.dtype", ("f32_to_bf16", "cast_into", "_cast_flat", "cast_array", "astype")),
     ("transposed copies", ("copy_into",)),
     ("BLAKE3", ("Pipeline._hash", "checksum")),
@@ -50,13 +50,16 @@ STAGES = [
 ]
 EXPORT_THREADS = ("pfc-work", "pfc-write", "pfc-writer", "pfc-file", "pfc-prepare", "pfc-commit")
 # statements that call C code (no Python frame of their own): their lines name the stage
-STATEMENTS = [("BLAKE3", ".hash.update("), ("pwrite", "self._pwrite("), ("transposed copies", "copy_into(")]
+STATEMENTS = [("BLAKE3", ".hash.update("), ("pwrite", "self._pwrite("), ("transposed copies", "copy_into("),
+              ("lora product (matmul)", "np.matmul("), ("lora merge (scale, add)", "out *= np.float32("),
+              ("lora merge (scale, add)", "out += as_float32(")]
 
 
 def line_rules(tree: Path) -> list:
-    """(stage, 'file.py:line') for each line of the tree's writer that is one of STATEMENTS."""
+    """(stage, 'file.py:line') for each line of the tree's writer and LoRA merge that is one of STATEMENTS."""
     rules = []
-    for path in sorted((tree / "paddle_fullparam_callbacks" / "export" / "write").glob("*.py")):
+    pkg = tree / "paddle_fullparam_callbacks"
+    for path in sorted([*(pkg / "export" / "write").glob("*.py"), pkg / "models" / "lora" / "merge.py"]):
         for i, text in enumerate(path.read_text().splitlines(), 1):
             for stage, stmt in STATEMENTS:
                 if stmt in text and not text.lstrip().startswith(("#", "def ", "from ", "import ")):

@@ -90,7 +90,7 @@ class _Buffers:
     """Reused float32 buffers for the products (a new one costs a page fault per 4 KB, more than the product
     itself); at most ``keep_bytes`` of them are kept between uses."""
 
-    def __init__(self, keep_bytes: int = 256 * 2**20):
+    def __init__(self, keep_bytes: int = 64 * 2**20):
         self.keep_bytes, self.free, self.lock = keep_bytes, [], threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
