@@ -22,7 +22,7 @@ import threading
 import numpy as np
 
 from .. import _dtypes
-from .copy import copy_into
+from .copy import copy_into, transposed_view
 
 try:
     import ml_dtypes as _ml_dtypes
@@ -49,9 +49,9 @@ def to_paddle(arr: np.ndarray, dtype: str):
     return paddle.from_dlpack(arr)
 
 
-def scratch(nbytes: int, slot: int = 0) -> np.ndarray:
+def scratch(nbytes: int, slot="cast") -> np.ndarray:
     """A uint8 buffer of ``nbytes`` private to the calling thread, reused (no page faults per block);
-    ``slot``: buffers in use at the same time take different slots."""
+    ``slot`` (a name): buffers in use at the same time take different slots."""
     bufs = getattr(_local, "bufs", None)
     if bufs is None:
         bufs = _local.bufs = {}
@@ -73,17 +73,21 @@ def cast_into(out: np.ndarray, src: np.ndarray, src_dtype: str, dst_dtype: str) 
     """``out[...] = src`` cast from Paddle dtype ``src_dtype`` to ``dst_dtype`` with Paddle's bits.
 
     ``out``: C-contiguous, ``src``'s shape, the storage of ``dst_dtype``; ``src``: any strides. A
-    transposed ``src`` is cast in its memory order into a per-thread scratch buffer, which is then
-    copied into file order (``copy_into``): half the bytes to move for a cast to a 2-byte dtype.
+    transposed ``src`` is cast in its memory order, a few hundred rows at a time, into the stage of
+    ``copy_into``, which then transposes the result into file order: the source is read once and half
+    the bytes move through the transpose for a cast to a 2-byte dtype.
     """
     if src_dtype == dst_dtype:
         copy_into(out, src)
+        return
+    if transposed_view(src):  # cast while staging the transpose: the source is read once
+        copy_into(out, src, lambda part, rows: _cast(part, rows, src_dtype, dst_dtype), out.dtype)
         return
     if src.ndim >= 2 and not src.flags.c_contiguous:
         order, inverse = memory_order(src)
         if order != tuple(range(src.ndim)):
             m = src.transpose(order)
-            tmp = scratch(out.nbytes, 1).view(out.dtype).reshape(m.shape)
+            tmp = scratch(out.nbytes, "memory order").view(out.dtype).reshape(m.shape)
             _cast(tmp, m, src_dtype, dst_dtype)
             copy_into(out, tmp.transpose(inverse))
             return
@@ -131,14 +135,15 @@ def f32_to_bf16(out: np.ndarray, src: np.ndarray, use_ml_dtypes: bool = True) ->
             np.copyto(out.view(_BF16), src, casting="unsafe")
     else:
         u = src.view(np.uint32)
-        t = scratch(4 * src.size).view(np.uint32).reshape(src.shape)
+        t = scratch(4 * src.size, "rounding").view(np.uint32).reshape(src.shape)
         np.right_shift(u, 16, out=t)
         np.bitwise_and(t, 1, out=t)
         np.add(t, 0x7FFF, out=t)  # the rounding bias: half an ulp, one more when the kept part is odd
         np.add(t, u, out=t)
         np.right_shift(t, 16, out=t)
         np.copyto(out, t, casting="unsafe")
-    nan = np.isnan(src)
+    nan = scratch(src.size, "nan").view(np.bool_).reshape(src.shape)
+    np.isnan(src, out=nan)
     if nan.any():
         np.copyto(out, PADDLE_BF16_NAN, where=nan)
 

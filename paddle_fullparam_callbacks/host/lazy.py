@@ -88,7 +88,7 @@ def rows_of(array, r0: int, r1: int):
     return array.rows(r0, r1) if isinstance(array, LazyArray) else array[r0:r1]
 
 
-def computed(array, slot: int = 2) -> np.ndarray:
+def computed(array, slot=("source", 0)) -> np.ndarray:
     """A lazy array's values in the calling thread's scratch buffer ``slot`` (valid until the next use of
     that slot on this thread); an array as it is."""
     if not isinstance(array, LazyArray):
@@ -111,7 +111,7 @@ class CastArray(LazyArray):
         return CastArray(rows_of(self.src, r0, r1), self.src_dtype, self.dst_dtype, self.dtype)
 
     def fill(self, out: np.ndarray) -> None:
-        cast_into(out, computed(self.src, 2 + self.depth), self.src_dtype, self.dst_dtype)
+        cast_into(out, computed(self.src, ("source", self.depth)), self.src_dtype, self.dst_dtype)
 
     def transpose(self, *axes) -> "CastArray":
         return CastArray(self.src.transpose(*axes), self.src_dtype, self.dst_dtype, self.dtype)

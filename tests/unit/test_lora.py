@@ -88,6 +88,15 @@ def test_the_lazy_merge_has_merged_blocks_bits_in_any_layout_and_block(m, n, r):
             for width in (1, 7, 64):
                 rows = [np.asarray(view.rows(i, min(len(view), i + width))) for i in range(0, len(view), width)]
                 assert np.concatenate(rows).tobytes() == np.ascontiguousarray(want).tobytes(), (w_dtype, width)
+        if w_dtype == "float32":  # merged, then cast to the snapshot's dtype: a lazy array of a lazy array
+            from paddle_fullparam_callbacks.host.casts import f32_to_bf16
+            from paddle_fullparam_callbacks.host.lazy import CastArray
+
+            want = np.empty(whole.T.shape, np.uint16)
+            f32_to_bf16(want, np.ascontiguousarray(whole.T))
+            cast = CastArray(lazy.T, "float32", "bfloat16", np.dtype(np.uint16))
+            rows = [np.asarray(cast.rows(i, min(len(cast), i + 5))) for i in range(0, len(cast), 5)]
+            assert np.asarray(cast).tobytes() == np.concatenate(rows).tobytes() == want.tobytes()
         del lazy, view, rows
     assert blas.threads() == before
     kept = [buf.nbytes for buf in merge_module._BUFFERS.free]

@@ -181,7 +181,7 @@ class MergedArray(LazyArray):
 
     def fill(self, out: np.ndarray) -> None:
         (r0, r1), (c0, c1) = self.rows_, self.cols_
-        tmp = scratch((r1 - r0) * (c1 - c0) * 4, 3).view(np.float32).reshape(r1 - r0, c1 - c0)
+        tmp = scratch((r1 - r0) * (c1 - c0) * 4, "merge").view(np.float32).reshape(r1 - r0, c1 - c0)
         np.multiply(self.product.get()[r0:r1, c0:c1], np.float32(self.scaling), out=tmp)  # as merged_block: the
         tmp += as_float32(self.w[r0:r1, c0:c1], self.w_dtype)  # scalar, then W, one rounding each
         cast_into(out, tmp.T if self.transposed else tmp, "float32", self.w_dtype)
