@@ -45,13 +45,9 @@ def transposed_view(src: np.ndarray) -> bool:
             and src.strides[1] > src.itemsize and src.shape[1] >= 16)
 
 
-def copy_into(dst: np.ndarray, src: np.ndarray, stage_fn=None, stage_dtype=None) -> None:
+def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` for a C-contiguous ``dst`` of ``src``'s shape and dtype, fast for a 2-D
     transposed view (columns contiguous in memory).
-
-    ``stage_fn(stage, part)`` (with ``stage_dtype``, ``dst``'s dtype): fills the stage from a part of the
-    source in memory order instead of a plain copy (a cast: the staged transpose then moves its result,
-    and the source is read once). Only for a transposed view (:func:`transposed_view`).
 
     >>> x = np.arange(40000, dtype=np.float32).reshape(100, 400)
     >>> for src in (x.T, x.T[:, ::2], x[::3]):
@@ -62,17 +58,13 @@ def copy_into(dst: np.ndarray, src: np.ndarray, stage_fn=None, stage_dtype=None)
         np.copyto(dst, src)
         return
     rows, cols = src.shape
-    dtype = np.dtype(stage_dtype or src.dtype)
     memory = src.T  # [cols, rows]: each row a contiguous run of the source
-    k = max(16, STAGE_BYTES // (rows * max(src.itemsize, dtype.itemsize)))
-    stage = _stage(min(k, cols), rows, dtype)
+    k = max(16, STAGE_BYTES // (rows * src.itemsize))
+    stage = _stage(min(k, cols), rows, src.dtype)
     for i in range(0, cols, k):
         n = min(k, cols - i)
         part = stage[:n]
-        if stage_fn is None:
-            np.copyto(part, memory[i:i + n])  # sequential reads of n source rows
-        else:
-            stage_fn(part, memory[i:i + n])
+        np.copyto(part, memory[i:i + n])  # sequential reads of n source rows
         np.copyto(dst[:, i:i + n], part.T)  # the transpose, from the stage in cache
 
 
