@@ -290,6 +290,9 @@ class Pipeline:
         try:
             piece.done()
         finally:
+            # the piece and its countdown refer to each other: without this, the cycle (and the producer's
+            # memory its view holds, e.g. a mapped checkpoint's pages) would wait for the garbage collector
+            piece.left = piece.view = piece.buf = piece.src = piece.done = None
             with self._cv:
                 self._live -= 1
                 if not self._live:
