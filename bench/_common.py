@@ -169,8 +169,8 @@ def wait_quiet(max_wait: float = 60.0, busy_below: float = 15.0, window: float =
 class CpuShare:
     """How much of the machine's CPU others used while a region ran (context manager).
 
-    ``foreign_fraction`` = (CPU seconds of the whole machine - this process's own, all threads)
-    / (wall seconds x CPUs). On a shared 2-core machine someone else's work lands in whichever
+    ``foreign_fraction`` = (CPU seconds of the whole machine - this process's own, all threads, and its
+    waited-for children's, e.g. a ``cp`` it ran) / (wall seconds x CPUs). On a shared 2-core machine someone else's work lands in whichever
     variant runs beside it; the benchmarks repeat a run that others disturbed. (Kernel threads
     writing this process's pages back count as others; /proc/stat counts in 10 ms ticks.)
     """
@@ -184,8 +184,8 @@ class CpuShare:
 
     @staticmethod
     def _own() -> float:
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
+        r, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
 
     def __enter__(self) -> "CpuShare":
         self._m0, self._o0, self._t0 = self._machine_busy(), self._own(), time.perf_counter()

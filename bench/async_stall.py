@@ -102,9 +102,11 @@ def main():
         print(json.dumps(child(ns.variant, Path(ns.out), ns.exports, ns.train_seconds, ns.max_pending)))
         return
     runs = {v: [] for v in VARIANTS}
+    quiet = []
     for rep in range(ns.reps):
         for v in VARIANTS:
             tmp = Path(tempfile.mkdtemp(prefix="pfc_async_"))
+            quiet.append(C.wait_quiet(180))
             try:
                 r = C.run_child([__file__, "--variant", v, "--out", str(tmp / "out"), "--exports", str(ns.exports),
                                  "--train-seconds", str(ns.train_seconds), "--max-pending", ns.max_pending])
@@ -131,6 +133,8 @@ def main():
         "targets": {"stall_ratio": "<= 0.35"},
         "met": {"stall_ratio": ratio <= 0.35},
         "host_ring_bytes": runs["async"][0].get("host_ring_bytes"),
+        "quiet_checks": {"busy_runs": sum(not q["quiet"] for q in quiet), "max_waited_s": max(q["waited_s"] for q in quiet),
+                         "all": quiet},
         "notes": ["training is time.sleep between exports (GPU-job-like idle host CPU); the stall of a "
                   "background export includes any wait a later call has for it",
                   "async keeps a pre-faulted host staging ring of min(max_pending_bytes, snapshot bytes) for the "

@@ -7,6 +7,9 @@
 # version and Python tag is cached, and prints on stdout exactly two lines:
 #   CUSTOM_DEVICE_ROOT=<folder holding only libfakedev.so>
 #   DEVICE=fakedev
+# The same folder holds kernels/: the plugin beside libfakedev_kernels.so (fake_device/kernels/*.cc: a
+# `contiguous` kernel, linked against the Paddle library the process loads), for the tests of exports
+# that compute on the device (tests/_fake_device.py: device_env(kernels=True)).
 # Progress and compiler output go to stderr. Builds are cached outside the clone, beside the
 # environments (<env root>/../fake_device/paddle<version>-<python tag>-<hash of the sources and
 # flags>/), and several clones or test runs may build at once (flock, then an atomic rename).
@@ -39,19 +42,29 @@ header="$include/paddle/phi/backends/device_ext.h"
 cxx=${CXX:-g++}
 flags=(-O2 -std=c++17 -shared -fPIC -pthread -Wall -Wextra -Werror)
 sources=("$here"/fake_device/*.cc)
-hash=$( (cat "${sources[@]}" "$header"; echo "${flags[*]}"; "$cxx" --version | head -1) | sha256sum | cut -c1-12)
+kernel_sources=("$here"/fake_device/kernels/*.cc)
+paddle_lib="$(dirname "$include")/base/libpaddle.so"
+# the kernels use Paddle's C++ API: its headers of this version, the process's libpaddle.so (found by its
+# soname, already loaded by `import paddle`: no rpath), the custom-device code paths of the headers
+kernel_flags=(-O2 -std=c++17 -shared -fPIC -pthread -DPADDLE_WITH_CUSTOM_KERNEL -DPADDLE_WITH_CUSTOM_DEVICE -w)
+hash=$( (cat "${sources[@]}" "${kernel_sources[@]}" "$header"; echo "${flags[*]} ${kernel_flags[*]} $paddle_version"
+         "$cxx" --version | head -1) | sha256sum | cut -c1-12)
 dir="$cache/paddle$paddle_version-$python_tag-$hash"
 
-if [ ! -f "$dir/libfakedev.so" ]; then
+if [ ! -f "$dir/kernels/libfakedev_kernels.so" ]; then
   mkdir -p "$cache"
   exec 9>"$dir.lock"
   flock 9
-  if [ ! -f "$dir/libfakedev.so" ]; then
+  if [ ! -f "$dir/kernels/libfakedev_kernels.so" ]; then
     echo "fake_device.sh: building the fake accelerator into $dir" >&2
     tmp=$(mktemp -d "$dir.tmp.XXXXXX")
     chmod 755 "$tmp"
     trap 'rm -rf "$tmp"' EXIT
     "$cxx" "${flags[@]}" -I"$include" "${sources[@]}" -o "$tmp/libfakedev.so" >&2
+    mkdir "$tmp/kernels"
+    cp "$tmp/libfakedev.so" "$tmp/kernels/libfakedev.so"
+    "$cxx" "${kernel_flags[@]}" -I"$include" -I"$include/third_party" "${kernel_sources[@]}" \
+      -L"$(dirname "$paddle_lib")" -l:libpaddle.so -o "$tmp/kernels/libfakedev_kernels.so" >&2
     # the folder appears complete or not at all
     rm -rf "$dir"
     mv -T "$tmp" "$dir"

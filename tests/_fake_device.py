@@ -4,8 +4,9 @@
   for the Paddle of ``python`` (default: this interpreter) or found in its cache. Raises
   ``FakeDeviceError`` (with the compiler's output) if it cannot: tests that need the device then
   fail, they never skip (the ``fake_device`` fixture of ``conftest.py`` calls it).
-- ``device_env(base=None, **fakedev) -> dict``: the environment of a process that puts tensors on
-  ``fakedev:N``: ``base`` (default ``os.environ``) plus ``CUSTOM_DEVICE_ROOT`` and Paddle's
+- ``device_env(base=None, kernels=False, **fakedev) -> dict``: the environment of a process that puts
+  tensors on ``fakedev:N``: ``base`` (default ``os.environ``) plus ``CUSTOM_DEVICE_ROOT`` (with
+  ``kernels``, the folder that also loads the plugin's ``contiguous`` kernel) and Paddle's
   allocator flags pinned to the defaults the plugin's memory statistics were measured with;
   keyword arguments set the plugin's variables, ``memory_mb=64`` -> ``FAKEDEV_MEMORY_MB=64``
   (``count``, ``memory_mb``, ``comm_timeout_s``, ``comm_buffer_kb``, ``debug``).
@@ -16,6 +17,8 @@
   plugin's shared-memory communicator (``init_parallel_env()`` picks the ``xccl`` backend).
 - ``library() -> Path``: the ``.so`` itself (for ``ctypes``: ``fakedev_cleanup_stale_segments()``,
   ``fakedev_set_comm_timeout(seconds)``).
+- ``contiguous_calls() -> (calls, bytes)``: in a process of ``device_env(kernels=True)``, how often the
+  device's ``contiguous`` kernel ran and the bytes it made (None without the kernels).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "fakedev"
 LIBRARY = "libfakedev.so"
+KERNELS = "libfakedev_kernels.so"
 
 # Paddle's defaults, pinned: with them an allocation of n bytes moves memory_allocated by n rounded
 # up to 256 (the plugin's chunk alignment), and memory_reserved by the same (fake_device/README.md)
@@ -46,7 +50,8 @@ def build(python: str | None = None) -> Path:
                           capture_output=True, text=True)
     lines = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
     root = Path(lines.get("CUSTOM_DEVICE_ROOT", ""))
-    if proc.returncode != 0 or lines.get("DEVICE") != DEVICE or not (root / LIBRARY).is_file():
+    if proc.returncode != 0 or lines.get("DEVICE") != DEVICE or not (root / LIBRARY).is_file() \
+            or not (root / "kernels" / KERNELS).is_file():
         raise FakeDeviceError(f"scripts/fake_device.sh failed (rc={proc.returncode}):\n"
                               f"{proc.stdout}\n{proc.stderr[-4000:]}")
     return root
@@ -56,13 +61,26 @@ def library(python: str | None = None) -> Path:
     return build(python) / LIBRARY
 
 
-def device_env(base: dict | None = None, python: str | None = None, **fakedev) -> dict:
+def device_env(base: dict | None = None, python: str | None = None, kernels: bool = False, **fakedev) -> dict:
     env = dict(os.environ if base is None else base)
     env.update(ALLOCATOR_FLAGS)
-    env["CUSTOM_DEVICE_ROOT"] = str(build(python))
+    env["CUSTOM_DEVICE_ROOT"] = str(build(python) / "kernels" if kernels else build(python))
     for key, value in fakedev.items():
         env["FAKEDEV_" + key.upper()] = str(value)
     return env
+
+
+def contiguous_calls():
+    """(calls, bytes) of the device's ``contiguous`` kernel in this process so far; None without it."""
+    import ctypes
+
+    path = Path(os.environ.get("CUSTOM_DEVICE_ROOT", "")) / KERNELS
+    try:
+        lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD)
+    except OSError:
+        return None
+    return (ctypes.c_int64.in_dll(lib, "fakedev_contiguous_calls").value,
+            ctypes.c_int64.in_dll(lib, "fakedev_contiguous_bytes").value)
 
 
 def launch(script, args=(), nranks=2, env=None, python=None, fakedev=None, **kw):

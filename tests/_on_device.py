@@ -16,7 +16,8 @@ from paddle_fullparam_callbacks import verify_snapshot
 def single_process(framework: str, out: Path) -> dict:
     """tests/on_device/single.py in a child on the fake device; its report."""
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "on_device" / "single.py"), "--framework", framework,
-                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=fd.device_env())
+                           "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          env=fd.device_env(kernels=True))
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("ONDEVICE ")][-1]
     return json.loads(line[len("ONDEVICE "):])
@@ -27,7 +28,7 @@ def check_single_process(report: dict) -> None:
     every placement."""
     budgets = {"llama_bf16_budget0": 0}
     assert set(report["cases"]) == {"llama", "llama_bf16", "llama_bf16_budget0", "llama_staged", "llama_chunks", "tied",
-                                    "lora"}
+                                    "lora", "no_transpose"}
     for case, runs in report["cases"].items():
         budget = budgets.get(case, 16000)
         for where, run in runs.items():
@@ -49,3 +50,19 @@ def check_single_process(report: dict) -> None:
     assert staged["device"]["staged_chunks"] >= 32 and report["cases"]["llama_bf16"]["device"]["staged_chunks"] == 0
     assert report["cases"]["llama_chunks"]["device"]["files"] == report["cases"]["llama"]["device"]["files"]
     assert any(name.startswith("adapter/") for name in report["cases"]["lora"]["device"]["files"])
+    # transposes to Hugging Face's layout: on the device where the budget allows (every Linear weight of a
+    # mesh of one; of the LoRA model only its adapter's factors, the merged weights are merged on the host),
+    # each a run of the device's contiguous kernel; with budget 0, on a device that refuses them, and for
+    # CPU parameters on the host; the same bytes
+    cases = report["cases"]
+    for case in ("llama", "llama_bf16", "llama_staged", "llama_chunks", "tied"):
+        dev = cases[case]["device"]
+        assert dev["transposes_asked"] > 0 and dev["device_transposes"] == dev["transposes_asked"], (case, dev)
+        assert dev["contiguous_calls"] >= dev["device_transposes"], (case, dev)
+        assert 0 < cases[case]["mixed"]["device_transposes"] < dev["device_transposes"], case  # CPU ones on the host
+    lora = cases["lora"]["device"]
+    assert lora["device_transposes"] == lora["transposes_asked"] > 0  # the adapter's factors; merged weights not asked
+    for case in ("llama_bf16_budget0", "no_transpose"):
+        assert cases[case]["device"]["device_transposes"] == cases[case]["device"]["contiguous_calls"] == 0, case
+    assert cases["no_transpose"]["device"]["files"] == cases["llama_bf16"]["device"]["files"]
+    assert all(run["contiguous_calls"] == 0 for runs in cases.values() for run in (runs["cpu"],))

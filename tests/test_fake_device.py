@@ -48,7 +48,8 @@ def test_build_prints_two_lines_and_is_cached(fake_device):
                          capture_output=True, text=True, check=True)
     assert out.stdout.splitlines() == [f"CUSTOM_DEVICE_ROOT={fake_device}", f"DEVICE={DEVICE}"]
     assert "building" not in out.stderr, "a second call rebuilt the plugin"
-    assert sorted(p.name for p in fake_device.iterdir()) == [LIBRARY]
+    assert sorted(p.name for p in fake_device.iterdir()) == ["kernels", LIBRARY]  # Paddle loads no subfolder
+    assert sorted(p.name for p in (fake_device / "kernels").iterdir()) == [LIBRARY, "libfakedev_kernels.so"]
     # keyed by Paddle version and Python tag, outside the clone, beside the environments
     import importlib.metadata
 

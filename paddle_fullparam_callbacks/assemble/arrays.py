@@ -5,8 +5,9 @@ regions are in host memory, so a job on an accelerator computes its snapshot wit
 and the same bits, as the CPU tests. Arrays carry the bytes of their Paddle dtype (bfloat16 as
 ``uint16`` bits, see ``_dtypes``); the Paddle dtype name travels beside them.
 
-Casts go through Paddle's own CPU cast kernel (over the array's memory, no copy), so a snapshot has
-the bits Paddle gives, whichever path assembled it.
+Casts give the bits of Paddle's own CPU cast kernel (``host/casts.py``: Paddle's kernel, or one proven
+equal to it), whichever path assembled a snapshot. The cast to the snapshot's dtype is lazy: the writer
+computes it block by block on its worker threads (``host/lazy.py``).
 """
 from __future__ import annotations
 
@@ -15,23 +16,10 @@ from typing import Callable, List, Sequence, Tuple
 import numpy as np
 
 from .. import _dtypes
-
-_CAST_BLOCK_BYTES = 16 * 2**20
+from ..host.casts import to_paddle
+from ..host.lazy import CastArray
 
 Region = Tuple[np.ndarray, str]  # (array, Paddle dtype name)
-
-
-def to_paddle(arr: np.ndarray, dtype: str):
-    """A CPU Paddle tensor over a host array's memory (no copy when it is contiguous and writable:
-    DLPack cannot signal read-only memory). bfloat16 (held as uint16) goes through a uint8 view:
-    Paddle has no uint16 -> bfloat16 view kernel."""
-    import paddle
-
-    arr = np.ascontiguousarray(arr) if arr.flags.writeable else np.array(arr, order="C")
-    if dtype == "bfloat16":
-        shape = list(arr.shape)
-        return paddle.from_dlpack(arr.view(np.uint8).reshape(-1)).view("bfloat16").reshape(shape)
-    return paddle.from_dlpack(arr)
 
 
 def permutations_and_cast(pp_list) -> Tuple[List[List[int]], "str | None"]:
@@ -56,33 +44,32 @@ def region_of(arr: np.ndarray, offset: Sequence[int], shape: Sequence[int]) -> n
     return arr[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
-def cast_array(arr: np.ndarray, src: str, dst: str) -> np.ndarray:
-    """``arr`` (storage of Paddle dtype ``src``) cast to ``dst`` the way Paddle casts it.
+def _casting(src: str, dst: str) -> bool:
+    return src != dst and _dtypes.lookup(src).is_float and _dtypes.lookup(dst).is_float
 
-    Cast in blocks of rows (about 16 MB each): a read-only or strided ``arr`` (a view of a mapped
-    file, a transposed weight) costs one block's copy on top of the result, never a second tensor.
-    Non-floating dtypes and equal dtypes are returned as they are."""
-    if src == dst or not (_dtypes.lookup(src).is_float and _dtypes.lookup(dst).is_float):
+
+def lazy_cast(arr, src: str, dst: str):
+    """``arr`` (storage of Paddle dtype ``src``, any strides, or a lazy array) cast to ``dst`` with Paddle's
+    bits, as a lazy array computed where it is consumed; non-floating and equal dtypes as they are."""
+    if not _casting(src, dst):
         return arr
-    storage = np.dtype(_dtypes.lookup(dst).np_storage)
-    out = np.empty(arr.shape, dtype=storage)
-    if arr.size == 0:
-        return out
-    if arr.ndim == 0:
-        flat = [()]
-    else:
-        rows = max(1, _CAST_BLOCK_BYTES // max(1, arr[0].nbytes if arr.shape[0] else 1))
-        flat = [(slice(i, i + rows),) for i in range(0, arr.shape[0], rows)]
-    for index in flat:
-        block = np.array(arr[index], order="C")  # a writable contiguous copy: what DLPack accepts
-        cast = to_paddle(block, src).astype(dst).numpy()
-        out[index] = cast if cast.dtype == storage else cast.view(storage)
-    return out
+    return CastArray(arr, src, dst, np.dtype(_dtypes.lookup(dst).np_storage))
 
 
-def cast_for_export(arr: np.ndarray, dtype: str, export_dtype: str) -> np.ndarray:
-    """The array in the snapshot's dtype (``export.dtype``; 'keep' and non-floating tensors unchanged)."""
-    return arr if export_dtype == "keep" else cast_array(arr, dtype, export_dtype)
+def cast_array(arr, src: str, dst: str) -> np.ndarray:
+    """``arr`` (storage of Paddle dtype ``src``) cast to ``dst`` the way Paddle casts it, as a new array
+    (computed in blocks on the worker threads: a read-only or strided ``arr``, a view of a mapped file
+    or a transposed weight, costs no copy beside the result). Non-floating and equal dtypes are
+    returned as they are."""
+    if not _casting(src, dst):
+        return arr
+    return lazy_cast(arr, src, dst).materialize()
+
+
+def cast_for_export(arr, dtype: str, export_dtype: str):
+    """The array in the snapshot's dtype (``export.dtype``; 'keep' and non-floating tensors unchanged):
+    a lazy array when it casts (the writer casts it block by block on its workers)."""
+    return arr if export_dtype == "keep" else lazy_cast(arr, dtype, export_dtype)
 
 
 def postprocess(arr: np.ndarray, dtype: str, pp_list) -> Region:

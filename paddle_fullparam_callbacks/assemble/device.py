@@ -15,6 +15,13 @@ device memory at any moment, whatever the model's largest tensor.
 * A cast to ``export.dtype`` runs on the device, chunk by chunk, when one chunk of the result fits
   in the budget: the host then receives fewer bytes and has no cast to do. Otherwise (budget 0, or
   a chunk would not fit) the raw bytes come over and the host casts them.
+* A transpose to the snapshot's layout (a Linear weight of a mesh of one rank, ``[in, out]`` in
+  Paddle, ``[out, in]`` in Hugging Face's files) runs on the device too, when a block of rows of the
+  result (with its cast, if any) fits in the budget: each block is a strided view of the parameter made
+  contiguous on the device (``contiguous``, a transpose kernel), cast there if asked, and copied out; the
+  host receives the bytes in file order and its writer copies nothing. Otherwise, and on a device that
+  has no ``contiguous`` kernel (the first refusal is remembered per device type), the raw bytes come
+  over and the host's worker threads transpose them.
 * A slice that is not contiguous (rare: a view made by a framework) is made contiguous on the
   device in row blocks that fit the budget; with a budget too small for one row it is refused with
   an error naming it, never copied past the budget.
@@ -23,6 +30,7 @@ A CPU tensor is not copied at all: the host array shares its memory (DLPack).
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,6 +43,8 @@ from .. import _dtypes
 CHUNK_BYTES = 16 * 2**20  # bytes per device-to-host copy: large enough to run at copy speed
 ALIGN = 512  # device allocators round each allocation up (CUDA's caching allocator to 512 bytes)
 DEFAULT_STAGING = "auto"  # see DeviceBoundary.staging_buffer (tests set 'host' to run the staged path)
+
+logger = logging.getLogger("paddle_fullparam_callbacks")
 
 
 class DeviceBudgetError(RuntimeError):
@@ -82,6 +92,7 @@ class DeviceStats:
     d2h_s: float = 0.0
     device_casts: int = 0
     host_casts: int = 0
+    device_transposes: int = 0  # tensors transposed on the device (in row blocks)
 
 
 @dataclass
@@ -94,13 +105,22 @@ class DeviceBoundary:
     stats: DeviceStats = field(default_factory=DeviceStats)
 
     # ---- whole slices ---------------------------------------------------------------------
-    def host_array(self, tensor, cast_to: Optional[str] = None) -> "tuple[np.ndarray, str]":
+    def host_array(self, tensor, cast_to: Optional[str] = None,
+                   transposed: bool = False) -> "tuple[np.ndarray, str]":
         """``(array, dtype)``: the tensor's values in host memory, cast to ``cast_to`` when given
-        (floating dtypes only). A host array or CPU tensor is shared, not copied (unless cast)."""
+        (floating dtypes only). A host array or CPU tensor is shared, not copied (unless cast).
+
+        ``transposed``: the caller will read the (2-D) array transposed; a device tensor is then
+        transposed on the device where the budget allows, and the array comes back as the transpose of
+        a contiguous host array (its values as asked, its memory already in the transposed order)."""
         dtype = dtype_of(tensor)
         want = cast_to if self._casts(dtype, cast_to) else dtype
         if isinstance(tensor, np.ndarray) or not on_device(tensor):
             return self._host_cast(tensor if isinstance(tensor, np.ndarray) else _cpu_array(tensor), dtype, want), want
+        if transposed and len(tensor.shape) == 2:
+            out = self._transposed_out(tensor, dtype, want)
+            if out is not None:
+                return out.T, want
         device_cast = want != dtype and self._fits(_dtypes.lookup(want).itemsize)
         moved = want if device_cast else dtype  # what crosses to the host
         out = np.empty(tuple(tensor.shape), dtype=_dtypes.lookup(moved).np_storage)
@@ -110,13 +130,15 @@ class DeviceBoundary:
     def _casts(self, dtype: str, cast_to: Optional[str]) -> bool:
         return bool(cast_to) and cast_to != dtype and _dtypes.lookup(dtype).is_float and _dtypes.lookup(cast_to).is_float
 
-    def _host_cast(self, arr: np.ndarray, dtype: str, want: str) -> np.ndarray:
-        from .arrays import cast_array
+    def _host_cast(self, arr: np.ndarray, dtype: str, want: str):
+        """The cast on the host: a lazy array (``host.lazy.CastArray``), computed block by block on the
+        worker threads where it is consumed (the writer's copy buffers), never as a whole new tensor."""
+        from .arrays import lazy_cast
 
         if want == dtype:
             return arr
         self.stats.host_casts += 1
-        return cast_array(arr, dtype, want)
+        return lazy_cast(arr, dtype, want)
 
     def _usable(self) -> int:
         """Bytes one device allocation may ask for so that, rounded up by the allocator, it fits the budget."""
@@ -125,6 +147,44 @@ class DeviceBoundary:
     def _fits(self, itemsize_out: int) -> bool:
         """A device-side cast needs at least one chunk of the result (a few thousand elements) within the budget."""
         return self._usable() >= min(self.chunk_bytes, 4096 * itemsize_out)
+
+    # ---- transposes on the device -------------------------------------------------------------
+    def _transposed_out(self, tensor, dtype: str, want: str) -> Optional[np.ndarray]:
+        """``tensor.T`` (cast to ``want``) as a contiguous host array, made on the device in row blocks
+        within the budget; None where one row does not fit or the device cannot transpose."""
+        m, n = (int(d) for d in tensor.shape)
+        if not m or not n or str(tensor.place).split(":")[0] in _NO_TRANSPOSE:
+            return None
+        item, item_out = _dtypes.lookup(dtype).itemsize, _dtypes.lookup(want).itemsize
+        # per row of the result: the transposed block, a copy of the strided slice where a device makes
+        # slices by copying (stride kernels off), and the cast block
+        per_row = m * (2 * item + (item_out if want != dtype else 0))
+        rows = self._usable() // per_row
+        if rows < 1:
+            return None
+        t0 = time.perf_counter()
+        if not tensor.stop_gradient:
+            tensor = tensor.detach()
+        out = np.empty((n, m), dtype=_dtypes.lookup(want).np_storage)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            try:
+                block = tensor[:, r0:r1].transpose([1, 0]).contiguous()  # a transpose kernel on the device
+            except (RuntimeError, NotImplementedError, ValueError, OSError) as e:
+                if r0:
+                    raise
+                _NO_TRANSPOSE.add(str(tensor.place).split(":")[0])  # no such kernel there: the host transposes
+                logger.debug("no transpose on %s (%s): transposes run on the host", tensor.place, e)
+                return None
+            if want != dtype:
+                block = block.astype(want)
+                self.stats.device_casts += 1
+            self._to_host(block.reshape([-1]), out[r0:r1].reshape(-1))
+            del block
+        self.stats.device_transposes += 1
+        self.stats.d2h_bytes += out.nbytes
+        self.stats.d2h_s += time.perf_counter() - t0
+        return out
 
     # ---- the copy -------------------------------------------------------------------------
     def _copy_out(self, tensor, out: np.ndarray, cast_to: Optional[str]) -> None:
@@ -241,6 +301,7 @@ def _paddle_dtype(name: str):
 
 
 _STAGING: Dict[tuple, object] = {}  # (mode, bytes) -> the process's staging buffer
+_NO_TRANSPOSE: set = set()  # device types that refused a transpose (no contiguous kernel)
 
 
 def host_array(tensor) -> np.ndarray:

@@ -15,6 +15,7 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple
 import numpy as np
 
 from .. import _dtypes
+from ..host.lazy import LazyArray
 from .arrays import Region, assemble_destination, cast_for_export, is_whole, permutations_and_cast, region_of
 from .device import DeviceBoundary, dtype_of
 from .mapping import DestinationMap, MappingError
@@ -37,6 +38,21 @@ def castable_early(dmap: DestinationMap, names: Iterable[str], export_dtype: str
             fine = (simple and key not in transforms and _dtypes.lookup(spec_dtype).is_float
                     and (e.source_slice.dtype or spec_dtype) == spec_dtype)
             ok[key] = ok.get(key, True) and fine
+    return {k for k, fine in ok.items() if fine}
+
+
+def transposed_early(dmap: DestinationMap, names: Iterable[str], transforms) -> set:
+    """Source keys that every destination reads whole and transposed ([1, 0], a Linear weight in Hugging
+    Face's layout), with no transform: the device boundary may transpose them on the device, so that
+    their bytes reach the host in file order (where the budget allows)."""
+    ok: Dict[str, bool] = {}
+    for name in names:
+        entries = dmap.entries[name]
+        for e in entries:
+            perms, _ = permutations_and_cast(e.postprocess_list)
+            fine = (len(entries) == 1 and is_whole(e.target_slice) and perms == [[1, 0]]
+                    and e.source_slice.key not in transforms)
+            ok[e.source_slice.key] = ok.get(e.source_slice.key, True) and fine
     return {k for k, fine in ok.items() if fine}
 
 
@@ -65,12 +81,13 @@ class LocalAssembler:
         self.boundary = boundary or DeviceBoundary()
         self._held: Dict[str, Region] = {}
         self._early: set = set()
+        self._transposed: set = set()
 
     def _source(self, key: str) -> Region:
         held = self._held.get(key)
         if held is None:
             cast = self.export_dtype if key in self._early else None
-            arr, dtype = self.boundary.host_array(self.sources[key], cast_to=cast)
+            arr, dtype = self.boundary.host_array(self.sources[key], cast_to=cast, transposed=key in self._transposed)
             fn = self.transforms.get(key)
             if fn is not None:
                 arr = fn(arr, dtype)
@@ -79,6 +96,9 @@ class LocalAssembler:
 
     def _region(self, desc) -> Region:
         arr, dtype = self._source(desc.key)
+        if isinstance(arr, LazyArray) and (any(desc.global_offset) or tuple(desc.local_shape) != tuple(arr.shape)):
+            arr = arr.materialize()  # a part of a lazy (merged) source: computed once, held while still needed
+            self._held[desc.key] = (arr, dtype)
         return region_of(arr, desc.global_offset, desc.local_shape), dtype
 
     def run(self, names: Iterable[str]) -> Iterator[Tuple[str, np.ndarray]]:
@@ -86,6 +106,7 @@ class LocalAssembler:
         keys_of = {n: {e.source_slice.key for e in self.dmap.entries[n]} for n in names}
         uses = Counter(k for keys in keys_of.values() for k in keys)  # destinations still to read each source
         self._early = castable_early(self.dmap, names, self.export_dtype, self.transforms)
+        self._transposed = transposed_early(self.dmap, names, self.transforms)
         for name in names:
             arr, dtype = assemble_destination(self.dmap.entries[name], self.dmap.spec_by_name[name].dtype, self._region)
             for k in keys_of[name]:
@@ -96,4 +117,4 @@ class LocalAssembler:
             arr = None
 
 
-__all__ = ["LocalAssembler", "castable_early", "dtype_of"]
+__all__ = ["LocalAssembler", "castable_early", "dtype_of", "transposed_early"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Iterator, Tuple
 
+import numpy as np
+
 from .arrays import cast_for_export, to_paddle
 from .device import dtype_of, host_array
 
@@ -29,6 +31,6 @@ def run_paddle_full_param(sharded_state_dict, aoa_config, export_dtype: str = "k
                 if key in sharded_state_dict:
                     sw = sharded_state_dict[key] = copy.copy(sharded_state_dict[key])
                     dtype = dtype_of(sw.local_tensor)
-                    sw.local_tensor = to_paddle(fn(host_array(sw.local_tensor), dtype), dtype)
+                    sw.local_tensor = to_paddle(np.asarray(fn(host_array(sw.local_tensor), dtype)), dtype)  # (a lazy merge: computed)
         for name, tensor in full_param(sharded_state_dict, aoa_config=aoa_config or {}, **group_kwargs):
             yield name, cast_for_export(host_array(tensor), dtype_of(tensor), export_dtype)

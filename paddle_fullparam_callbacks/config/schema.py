@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from .. import _dtypes
 from ..plan.naming import validate_template
+from .evaluating import command_problem
 from .publishing import check_against, check_publish
 from .sizes import parse_size
 
@@ -127,6 +128,11 @@ class ExportConfig:
     the model's largest tensor ('0' allowed). Slices are copied to host memory in chunks (views: no
     device memory) and assembled there; a cast to export.dtype runs on the device chunk by chunk when
     a chunk fits in this budget, on the host otherwise. CPU parameters: ignored."""
+    threads: Any = "auto"
+    """Worker threads of this rank for an export's byte work (transposed copies into file order, casts,
+    LoRA merges, BLAKE3), each large tensor cut into blocks of a few MB: a whole number >= 1, or auto:
+    the CPUs of this rank's affinity divided among the job's ranks on the node (PADDLE_LOCAL_SIZE).
+    Beside them each writer has one thread for its writes."""
 
     def __post_init__(self):
         _check_choice("export.format", self.format, EXPORT_FORMATS)
@@ -139,6 +145,10 @@ class ExportConfig:
         _check_size("export.max_shard_size", self.max_shard_size)
         _check_size("export.max_pending_bytes", self.max_pending_bytes)
         _check_size("export.device_memory_budget", self.device_memory_budget, allow_zero=True)
+        n = self.threads
+        if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ConfigError("export.threads", f"must be a whole number >= 1 or auto (this rank's share of the "
+                                                f"node's CPUs); got {n!r}")
         t = self.timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0):
             raise ConfigError("export.timeout_s", f"must be a number of seconds > 0 (or null: no timeout); got {t!r}")
@@ -261,7 +271,6 @@ class CheckpointHookConfig:
 
 
 # ---- issue 21: the evaluation hook ---------------------------------------------------------------
-EVALUATE_FIELDS = ("snapshot", "step", "output", "python")
 EVALUATE_METRIC_PREFIX = "evaluate."
 """``retention.metric: evaluate.<key>`` follows the score ``<key>`` of the evaluation hook."""
 
@@ -314,7 +323,9 @@ class EvaluateConfig:
         if self.command is not None and self.callable is not None:
             raise ConfigError("evaluate.callable", "is set together with evaluate.command: give one of them")
         if self.command is not None:
-            self._check_command()
+            problem = command_problem(self.command)
+            if problem:
+                raise ConfigError("evaluate.command", problem)
         if self.callable is not None:
             module, _, fn = str(self.callable).partition(":")
             if not module.strip() or not fn.strip():
@@ -333,30 +344,6 @@ class EvaluateConfig:
         if self.enabled and not self.every and not self.last:
             raise ConfigError("evaluate.every", "is 0 and evaluate.last is false: no snapshot would be evaluated; "
                                                 "set evaluate.every=1 (each snapshot) or evaluate.last=true")
-
-    def _check_command(self) -> None:
-        import shlex
-        import string
-
-        key, text = "evaluate.command", self.command
-        try:
-            words = shlex.split(text) if isinstance(text, str) else []
-        except ValueError as e:
-            raise ConfigError(key, f"does not split into words ({e}); got {text!r}") from e
-        if not words:
-            raise ConfigError(key, f"is empty; give a command line such as '{{python}} -m my_eval {{snapshot}} "
-                                   f"--output {{output}}' (or leave it null); got {text!r}")
-        for word in words:
-            try:
-                fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(word) if f is not None]
-            except ValueError as e:
-                raise ConfigError(key, f"{word!r}: {e} (write a literal brace as {{{{ or }}}})") from e
-            for f, spec, conv in fields:
-                if f not in EVALUATE_FIELDS or spec or conv:
-                    raise ConfigError(key, f"{word!r}: unknown field {{{f}{'!' + conv if conv else ''}"
-                                           f"{':' + spec if spec else ''}}}; the command may use "
-                                           + ", ".join("{" + n + "}" for n in EVALUATE_FIELDS))
-
 
 @dataclass
 class PublishConfig:

@@ -8,7 +8,8 @@ worker 0 (``PipeContext``); a worker that dies closes its pipe, which ends the o
 with an error instead of a hang.
 
 Each worker indexes the checkpoint and builds the lazy model itself (nothing is pickled across
-but paths and the config) and reads only the tensors of its files.
+but paths and the config) and reads only the tensors of its files. With ``export.threads: auto`` the
+workers share this process's cores: each gets its affinity divided by the number of workers.
 """
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional
 
+from ..config.recipes import load_config
 from ..export.session.distributed import LocalContext
 from ..export.source import ExportError, SnapshotInfo
+from ..host.pool import usable_cores
 from ..plan.topology import plan_topology
 from .prepare import export_conversion, prepare
 
@@ -70,6 +73,8 @@ def convert_in_workers(checkpoint_dir, output_dir: Path, config, model_config, s
     Everything that can be checked without the output directory is checked here first, in this
     process (a bad checkpoint fails once, not N times)."""
     prepare(checkpoint_dir, config, model_config, step, **(lora or {}))
+    if config.export.threads == "auto":  # the workers divide the cores between them, as a node's ranks do
+        config = load_config(None, [f"export.threads={max(1, usable_cores() // workers)}"], base=config)
     spawn = mp.get_context("spawn")  # Paddle is not fork-safe once initialised
     pipes = [spawn.Pipe() for _ in range(workers - 1)]
     results = spawn.Queue()

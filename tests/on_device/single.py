@@ -14,7 +14,13 @@ Cases (one process, so Paddle and the frameworks are imported once):
   leaves the device as many views at growing offsets;
 - ``tied``: a tied Llama, budget 16 KB;
 - ``lora``: a LoRA model with nonzero adapters, merged, with its PEFT adapter, budget 16 KB;
+- ``no_transpose``: ``bfloat16``, budget 16 KB, on a device whose ``contiguous`` fails (the kernel made to
+  refuse, as the plugin without its kernels does): the transposes fall back to the host;
 - ``mixed``: the llama with its first decoder layer and its LM head moved to the CPU (offloaded).
+
+The process runs with the plugin's ``contiguous`` kernel (``device_env(kernels=True)``): the Linear
+weights are transposed on the device where the budget allows, and each export reports how often the
+kernel ran (``contiguous_calls``) and the boundary's own count of device transposes.
 
 Every export is done three times with the same weights: all parameters on the device, the ``mixed``
 placement, all on the CPU; the tensor files must be identical bytes. For each device export the peak
@@ -36,8 +42,12 @@ DEVICE = "fakedev:0"
 
 
 def export(model, out: Path, overrides) -> dict:
-    """One snapshot; the device's allocation peak during it (Paddle's statistics) and the files' digests."""
+    """One snapshot; the device's allocation peak during it (Paddle's statistics), the device's contiguous
+    kernel calls and transposes, and the files' digests."""
     import paddle
+
+    import _fake_device as fd
+    from paddle_fullparam_callbacks.assemble import device
 
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
@@ -49,9 +59,22 @@ def export(model, out: Path, overrides) -> dict:
     try:
         paddle.device.synchronize()
         paddle.device.reset_max_memory_allocated(DEVICE)
-        before = paddle.device.memory_allocated(DEVICE)
-        info = session.export(build_model_source(model, cfg), 1, reason="test")
+        before, calls = paddle.device.memory_allocated(DEVICE), fd.contiguous_calls()[0]
+        transposes = []
+        real = device.DeviceBoundary._transposed_out
+
+        def counted(self, *a):
+            out = real(self, *a)
+            transposes.append(out is not None)
+            return out
+
+        device.DeviceBoundary._transposed_out = counted
+        try:
+            info = session.export(build_model_source(model, cfg), 1, reason="test")
+        finally:
+            device.DeviceBoundary._transposed_out = real
         peak = paddle.device.max_memory_allocated(DEVICE) - before
+        calls = fd.contiguous_calls()[0] - calls
     finally:
         session.close()
     files = {}
@@ -59,7 +82,8 @@ def export(model, out: Path, overrides) -> dict:
         files[str(f.relative_to(info.path))] = hashlib.sha256(f.read_bytes()).hexdigest()
     index = info.path / "model.safetensors.index.json"
     return {"device_peak": peak, "files": files, "index": json.loads(index.read_text())["weight_map"],
-            "timings": info.timings, "path": str(info.path)}
+            "timings": info.timings, "path": str(info.path), "contiguous_calls": calls,
+            "device_transposes": sum(transposes), "transposes_asked": len(transposes)}
 
 
 def place(model, where: str) -> None:
@@ -109,6 +133,7 @@ def main() -> int:
         "llama_chunks": ("llama", [budget]),  # 4 KB chunks: a tensor is many views at growing offsets
         "tied": ("tied", [budget]),
         "lora": ("lora", [budget, "export.peft_adapter=inside"]),
+        "no_transpose": ("llama", [budget, "export.dtype=bfloat16"]),  # contiguous refused on the device
     }
     report = {"framework": ns.framework, "cases": {}}
     from paddle_fullparam_callbacks.assemble import device
@@ -126,6 +151,12 @@ def main() -> int:
         model = models[model_name]
         device.DEFAULT_STAGING = "host" if case == "llama_staged" else "auto"
         device.CHUNK_BYTES = 4096 if case in ("llama_staged", "llama_chunks") else 16 * 2**20
+        real_contiguous = paddle.Tensor.contiguous
+        if case == "no_transpose":
+            def refused(self):
+                raise RuntimeError("(NotFound) The kernel `contiguous` is not registered (test)")
+
+            paddle.Tensor.contiguous = refused
         runs = {}
         for where in ("device", "mixed", "cpu"):
             place(model, where)
@@ -135,6 +166,8 @@ def main() -> int:
                                "staged_chunks": staged[0]}
             except Exception as e:  # reported, with what failed on the device
                 runs[where] = {"places": places(model), "error": f"{type(e).__name__}: {e}"[:2000]}
+        paddle.Tensor.contiguous = real_contiguous
+        device._NO_TRANSPOSE.clear()  # the refusal is remembered per device type: not beyond this case
         report["cases"][case] = runs
     print("ONDEVICE " + json.dumps(report), flush=True)
     return 0

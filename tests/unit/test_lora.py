@@ -14,7 +14,9 @@ from paddle_fullparam_callbacks.models.lora.adapter import (
 )
 from paddle_fullparam_callbacks.models.lora.files import StoredLora, lora_settings, stored_layers
 from paddle_fullparam_callbacks.models.lora.layers import LoraError
-from paddle_fullparam_callbacks.models.lora.merge import as_float32, delta_hf, merged_block
+from paddle_fullparam_callbacks.host import blas
+from paddle_fullparam_callbacks.models.lora import merge as merge_module
+from paddle_fullparam_callbacks.models.lora.merge import MergedArray, as_float32, delta_hf, merged_block
 from paddle_fullparam_callbacks.plan.export_plan import TensorSpec
 
 
@@ -62,6 +64,47 @@ def test_a_block_merges_with_its_rows_of_a_and_columns_of_b_to_the_same_bits():
     whole = merged_block(w, "float32", a, "float32", b, "float32", 2.0)
     block = merged_block(w[4:, 6:], "float32", a[4:], "float32", b[:, 6:], "float32", 2.0)
     assert np.array_equal(block, whole[4:, 6:])  # r is never split: a tensor-parallel rank's block merges alone
+
+
+@pytest.mark.parametrize("m, n, r", [(1024, 2816, 16), (300, 200, 64), (37, 5, 1), (1, 9, 3), (8, 1, 2)])
+def test_the_lazy_merge_has_merged_blocks_bits_in_any_layout_and_block(m, n, r):
+    """The export's merge (MergedArray: the product once, by the first block, in a reused buffer, on one BLAS
+    thread; the rest per block on the workers) equals the whole merge bit for bit, in Paddle's layout and
+    transposed, in blocks of any width (a product in blocks would not: OpenBLAS's tiles, r >= 32), for
+    float32 and bfloat16 weights; the BLAS thread count comes back; the buffer is reused."""
+    w, a, b = _rand((m, n), 6), _rand((m, r), 7), _rand((r, n), 8, 0.1)
+    before = blas.threads()
+    for w_dtype, wt in (("float32", w), ("bfloat16", (w.view(np.uint32) >> 16).astype(np.uint16))):
+        whole = merged_block(wt, w_dtype, a, "float32", b, "float32", 5 / 3)
+        if w_dtype == "bfloat16":  # merged in float32, cast once: Paddle's rounding (host/casts.py)
+            bits = np.empty(whole.shape, np.uint16)
+            from paddle_fullparam_callbacks.host.casts import f32_to_bf16
+
+            f32_to_bf16(bits, whole)
+            whole = bits
+        lazy = MergedArray(wt, w_dtype, a, "float32", b, "float32", 5 / 3)
+        assert np.asarray(lazy).tobytes() == whole.tobytes()
+        for view, want in ((lazy, whole), (lazy.T, whole.T)):
+            for width in (1, 7, 64):
+                rows = [np.asarray(view.rows(i, min(len(view), i + width))) for i in range(0, len(view), width)]
+                assert np.concatenate(rows).tobytes() == np.ascontiguousarray(want).tobytes(), (w_dtype, width)
+        if w_dtype == "float32":  # merged, then cast to the snapshot's dtype: a lazy array of a lazy array
+            from paddle_fullparam_callbacks.host.casts import f32_to_bf16
+            from paddle_fullparam_callbacks.host.lazy import CastArray
+
+            want = np.empty(whole.T.shape, np.uint16)
+            f32_to_bf16(want, np.ascontiguousarray(whole.T))
+            cast = CastArray(lazy.T, "float32", "bfloat16", np.dtype(np.uint16))
+            rows = [np.asarray(cast.rows(i, min(len(cast), i + 5))) for i in range(0, len(cast), 5)]
+            assert np.asarray(cast).tobytes() == np.concatenate(rows).tobytes() == want.tobytes()
+        del lazy, view, rows
+    assert blas.threads() == before
+    kept = [buf.nbytes for buf in merge_module._BUFFERS.free]
+    assert any(n_ >= m * n * 4 for n_ in kept)  # the product's buffer came back for the next merge
+    if blas.threads() is not None and blas.threads() > 1:  # one thread or several: the same products
+        with blas.one_thread():
+            one = np.matmul(a, b)
+        assert np.matmul(a, b).tobytes() == one.tobytes()
 
 
 def test_bfloat16_is_widened_exactly_and_bad_shapes_are_refused():

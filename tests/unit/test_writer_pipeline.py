@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from paddle_fullparam_callbacks.export.write import checksum, syscalls, writer
-from paddle_fullparam_callbacks.export.write.copy import copy_into, row_blocks
+from paddle_fullparam_callbacks.host.copy import copy_into, row_blocks
 from paddle_fullparam_callbacks.export.write.header import read_tensor
 from paddle_fullparam_callbacks.export.write.pipeline import BlockPool, Stopped
 from paddle_fullparam_callbacks.export.write.writer import SnapshotWriter
@@ -20,7 +20,9 @@ DTYPE_NAME = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", 
 
 
 def writer_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("pfc-") and t.is_alive()]
+    """A writer's own threads (the process's worker pool, host/pool.py, lives as long as the process)."""
+    return [t for t in threading.enumerate() if t.name.startswith("pfc-") and not t.name.startswith("pfc-work")
+            and t.is_alive()]
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +39,7 @@ def small_blocks(monkeypatch):
     """Many pieces per tensor and a pool of two buffers: every path of the pipeline runs."""
     monkeypatch.setattr(writer, "_BLOCK_BYTES", 4096)
     monkeypatch.setattr(writer, "_POOL_BLOCKS", 2)
+    monkeypatch.setattr(writer, "_BLOCKS_PER_THREAD", 0)
     monkeypatch.setattr(writer, "_PIECE_BYTES", 8192)
     monkeypatch.setattr(writer, "_WRITEBACK_EVERY", 16384)
 
@@ -305,7 +308,8 @@ def test_abort_unblocks_a_producer_and_a_writer_waiting_for_buffers(tmp_path, sm
 
 
 def test_peak_copy_memory_is_the_pool(tmp_path, monkeypatch):
-    """A large transposed tensor passes through at most _POOL_BLOCKS blocks of copies."""
+    """A large transposed tensor passes through at most max(_POOL_BLOCKS, _BLOCKS_PER_THREAD x threads)
+    blocks of copies."""
     monkeypatch.setattr(writer, "_BLOCK_BYTES", 1 << 16)
     monkeypatch.setattr(writer, "_POOL_BLOCKS", 3)
     made = []
@@ -325,7 +329,11 @@ def test_peak_copy_memory_is_the_pool(tmp_path, monkeypatch):
     w = SnapshotWriter(plan, tmp_path)
     w.put("x", x)
     w.close()
-    assert len(made) <= 3 and sum(made) <= 3 * (1 << 16)
+    bound = max(3, writer._BLOCKS_PER_THREAD * w.threads)
+    blocks = [n for n in made if n == 1 << 16]
+    stages = [n for n in made if n != 1 << 16]  # each worker's stage of host/copy.py, made once and reused
+    assert w._pool.count == bound and len(blocks) <= bound
+    assert len(stages) <= w.threads and all(n <= 1 << 20 for n in stages)
     assert load_file(str(tmp_path / plan.files[0].name))["x"].tobytes() == np.ascontiguousarray(x).tobytes()
 
 
@@ -351,3 +359,66 @@ def test_zero_row_is_written_as_zeros(tmp_path, small_blocks, background, row):
         expected[row] = 0
         assert read_tensor(path, n).tobytes() == expected.tobytes(), n
         assert np.array_equal(a, before[n])  # the producer's memory is not touched
+
+
+# ---- the worker threads (export.threads) ----------------------------------------------------------
+def test_any_number_of_workers_writes_the_same_bytes_lazy_arrays_included(tmp_path, small_blocks):
+    """1, 3 and 6 workers (more than this machine's cores): the same files, byte for byte, with lazy arrays
+    (a cast computed block by block, one with a padding row zeroed) among strided and contiguous tensors."""
+    from paddle_fullparam_callbacks.host.lazy import CastArray
+
+    plan, arrays = _plan_and_arrays()
+    rng = np.random.default_rng(9)
+    f32 = rng.standard_normal((96, 40)).astype(np.float32)
+    lazies = {"g.weight": CastArray(f32.T, "float32", "bfloat16", np.dtype(np.uint16)),  # transposed source
+              "h.weight": CastArray(f32, "float32", "float16", np.dtype(np.float16))}  # Paddle's kernel
+    specs = [TensorSpec(n, a.shape, DTYPE_NAME[np.dtype(a.dtype)]) for n, a in {**arrays, **lazies}.items()]
+    plan = build_export_plan(specs, 60_000)
+    digests = []
+    for threads in (1, 3, 6):
+        out = tmp_path / f"t{threads}"
+        out.mkdir()
+        w = SnapshotWriter(plan, out, threads=threads, max_pending_bytes=1 << 20)
+        assert w.threads == threads
+        for n in _in_file_order(plan):
+            w.put(n, {**arrays, **lazies}[n], zero_row=5 if n == "h.weight" else None)
+        results = w.close()
+        digests.append([results[f.name].digest for f in plan.files])
+        for n, a in {**arrays, **lazies}.items():
+            want = np.array(a, copy=True)
+            if n == "h.weight":
+                want[5] = 0
+            got = read_tensor(out / plan.files[plan.slots[n].file_index].name, n)
+            assert got.tobytes() == want.tobytes(), (threads, n)
+        assert w.stats["bytes_filled"] == sum(a.nbytes for a in lazies.values()) - lazies["h.weight"][5].nbytes
+    assert digests[0] == digests[1] == digests[2]
+
+
+def test_pool_size_rule_and_batches():
+    from paddle_fullparam_callbacks.host import pool
+
+    assert pool.local_ranks({"PADDLE_LOCAL_SIZE": "4"}) == 4 and pool.local_ranks({"PADDLE_LOCAL_SIZE": "x"}) == 1
+    assert pool.default_threads({"PADDLE_LOCAL_SIZE": str(10 * pool.usable_cores())}) == 1  # never 0
+    assert pool.default_threads({}) == pool.usable_cores() == pool.resolve_threads("auto")
+    assert pool.resolve_threads(3) == 3
+    workers = pool.WorkerPool(2)
+    try:
+        seen, lock = [], threading.Lock()
+
+        def task(i):
+            def run():
+                with lock:
+                    seen.append(i)
+                if i == 7:
+                    raise ValueError("task 7")
+                workers.run([lambda: None, lambda: None])  # from a worker: inline, never a wait on the queue
+            return run
+
+        with pytest.raises(ValueError, match="task 7"):
+            workers.run([task(i) for i in range(12)])
+        assert 7 in seen
+        done = []
+        workers.run([lambda i=i: done.append(i) for i in range(20)])
+        assert sorted(done) == list(range(20))
+    finally:
+        workers.close()

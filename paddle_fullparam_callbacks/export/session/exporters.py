@@ -13,7 +13,7 @@ from ...assemble.arrays import to_paddle
 from ...config.schema import ConfigError
 from ...plan.export_plan import ExportPlan
 from ..write.writer import FileResult, SnapshotWriter
-from .host import detached_copy, to_host_array, with_zero_row
+from .host import detached_copy, plain_array, to_host_array, with_zero_row
 
 
 class Exporter:
@@ -44,17 +44,18 @@ class Exporter:
 class SafetensorsExporter(Exporter):
     """Sharded safetensors files following the plan, through the streaming writer."""
 
-    def __init__(self, max_pending_bytes: int, background: bool = True, copy: bool = False, ring=None):
+    def __init__(self, max_pending_bytes: int, background: bool = True, copy: bool = False, ring=None,
+                 threads="auto"):
         self.max_pending_bytes = max_pending_bytes
         self.background = background
+        self.threads = threads  # export.threads: the worker pool that copies, casts, merges and hashes
         self.copy = copy  # async: training resumes before the bytes are on disk, so hand over a copy
         self.ring = ring  # reusable host memory for those copies (HostRing), if any
         self.writer: Optional[SnapshotWriter] = None
 
     def begin(self, plan, staging_dir, step, file_indices=None):
-        self.writer = SnapshotWriter(
-            plan, staging_dir, file_indices, max_pending_bytes=self.max_pending_bytes, background=self.background
-        )
+        self.writer = SnapshotWriter(plan, staging_dir, file_indices, max_pending_bytes=self.max_pending_bytes,
+                                     background=self.background, threads=self.threads)
 
     def wait_for_room(self, nbytes: int) -> None:
         self.writer.wait_for_room(nbytes)  # until it could take nbytes more within its budget (or is idle)
@@ -104,7 +105,7 @@ class CallableExporter(Exporter):
         self.step, self.plan = step, plan
 
     def write(self, name, tensor, zero_row=None):
-        arr = with_zero_row(tensor, zero_row) if zero_row is not None else to_host_array(tensor)
+        arr = with_zero_row(tensor, zero_row) if zero_row is not None else plain_array(tensor)
         self.fn(name, to_paddle(arr, self.plan.slots[name].dtype), step=self.step)
 
     def finish(self):
@@ -129,9 +130,11 @@ def load_callable(spec: str) -> Callable:
 def make_exporter(export_cfg, fn: Optional[Callable] = None, ring=None) -> Exporter:
     fmt = export_cfg.format
     if fmt == "hf_safetensors":
-        return HFSafetensorsExporter(export_cfg.max_pending, copy=export_cfg.async_write, ring=ring)
+        return HFSafetensorsExporter(export_cfg.max_pending, copy=export_cfg.async_write, ring=ring,
+                                     threads=export_cfg.threads)
     if fmt == "paddle_safetensors":
-        return PaddleSafetensorsExporter(export_cfg.max_pending, copy=export_cfg.async_write, ring=ring)
+        return PaddleSafetensorsExporter(export_cfg.max_pending, copy=export_cfg.async_write, ring=ring,
+                                         threads=export_cfg.threads)
     if fmt == "callable":
         return CallableExporter(fn or load_callable(export_cfg.callable))
     raise ValueError(f"unknown export.format {fmt!r}")

@@ -5,25 +5,28 @@ from __future__ import annotations
 import numpy as np
 
 from ...assemble.device import host_array
+from ...host.casts import memory_order as _memory_order
+from ...host.lazy import LazyArray
 
 
-def to_host_array(tensor) -> np.ndarray:
+def to_host_array(tensor):
     """A numpy array of the tensor's bytes (bfloat16 as uint16 bits): a host array as it is, a CPU
     tensor shared (DLPack, strides included: a transposed view stays a view, and the writer copies
-    it block by block), a device tensor copied out through the device boundary."""
+    it block by block), a device tensor copied out through the device boundary; a lazy array (a cast,
+    a LoRA merge) as it is: the writer computes it block by block on its worker threads."""
+    if isinstance(tensor, LazyArray):
+        return tensor
     return host_array(tensor)
 
 
-def _memory_order(array: np.ndarray):
-    """(axes ordered by decreasing stride, the permutation back): ``array.transpose(order)`` walks
-    the memory in order, ``.transpose(inverse)`` of that gives ``array``'s view again."""
-    order = tuple(sorted(range(array.ndim), key=lambda i: -abs(array.strides[i])))
-    inverse = tuple(int(i) for i in np.argsort(order)) if order else ()
-    return order, inverse
+def plain_array(tensor) -> np.ndarray:
+    """:func:`to_host_array`, a lazy array computed (on the worker threads)."""
+    arr = to_host_array(tensor)
+    return arr.materialize() if isinstance(arr, LazyArray) else arr
 
 
-def detached_copy(array: np.ndarray) -> np.ndarray:
-    """A private copy of ``array``'s values, made as cheaply as possible.
+def detached_copy(array) -> np.ndarray:
+    """A private copy of ``array``'s values, made as cheaply as possible (a lazy array: computed).
 
     A transposed view is copied in its memory order (a plain memcpy) and handed back as the same
     transposed view of the copy; the writer turns it into file order later, on its own thread.
@@ -34,6 +37,8 @@ def detached_copy(array: np.ndarray) -> np.ndarray:
     >>> bool(np.array_equal(y, x.T)) and not np.shares_memory(y, x)
     True
     """
+    if isinstance(array, LazyArray):
+        return array.materialize()
     if array.flags.c_contiguous or array.ndim < 2:
         return np.array(array, copy=True, order="C")
     order, inverse = _memory_order(array)
@@ -101,13 +106,16 @@ class HostRing:
                 self._tail = self._live.popleft()[1]
             self._cv.notify_all()
 
-    def copy_in(self, array: np.ndarray):
+    def copy_in(self, array):
         """(a copy of ``array`` in the ring, release callback) or (None, None) if it does not fit.
 
-        Copied in memory order (a memcpy, see detached_copy) and returned with the same strides."""
+        Copied in memory order (a memcpy, see detached_copy) and returned with the same strides; a lazy
+        array is computed into the ring (on the worker threads)."""
         view, token = self.alloc(array.nbytes)
         if view is None:
             return None, None
+        if isinstance(array, LazyArray):
+            return array.materialize(view.view(array.dtype).reshape(array.shape)), (lambda: self.free(token))
         order, inverse = _memory_order(array)
         src = array.transpose(order)
         dest = view.view(array.dtype).reshape(src.shape)
@@ -119,6 +127,7 @@ def with_zero_row(tensor, row: int) -> np.ndarray:
     """A host copy of ``tensor`` with ``row`` set to zeros (an embedding's padding row: Paddle's
     ``padding_idx`` returns zeros for that id, torch returns the stored row). Never writes into
     the model's own memory."""
-    arr = np.array(to_host_array(tensor), copy=True)
+    arr = to_host_array(tensor)
+    arr = arr.materialize() if isinstance(arr, LazyArray) else np.array(arr, copy=True)
     arr[row] = 0
     return arr

@@ -32,6 +32,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from ... import _faults
 from ...assemble.device import DeviceBoundary
 from ...config.schema import ConfigError, FullParamConfig
+from ...host import pool as workers
 from ...plan.naming import format_snapshot_name, snapshot_step_pattern
 from .. import commit
 from ..commit import visibility
@@ -219,6 +220,7 @@ class ExportSession:
         ctx, cfg = self.ctx, self.config
         out_dir = Path(into) if into is not None else self.output_dir
         name = name or format_snapshot_name(cfg.export.name_template, step)
+        workers.shared(cfg.export.threads)  # the byte work of this export (copies, casts, merges, hashes)
         try:
             exporter: Exporter = make_exporter(cfg.export, self.fn, self._host_ring())
             sd = source.sharded_state_dict() if source.tensors is None else None

@@ -11,13 +11,15 @@ class WriterStats(dict):
 
     * ``put_wait_s``: the producer (the assembly) blocked in ``put`` by ``max_pending_bytes``;
     * ``pool_wait_s``: the writer thread waiting for a free copy buffer (the disk or the hash is behind);
-    * ``copy_s``: making strided tensors (transposed views) contiguous, on the I/O threads;
-    * ``write_s``: ``pwrite`` into the page cache, on the I/O threads; ``allocate_s``: ``fallocate``;
-    * ``hash_s``: the checksum of every byte in file order (hash thread); ``hash_wait_s``: the hash
-      thread waiting for a block still being copied;
+    * ``copy_s``: making strided tensors (transposed views) contiguous, on the worker threads;
+    * ``fill_s``: computing lazy arrays (casts to ``export.dtype``, LoRA merges) into the copy buffers,
+      on the worker threads;
+    * ``write_s``: ``pwrite`` into the page cache, in file order, on whichever worker; ``allocate_s``:
+      ``fallocate``;
+    * ``hash_s``: the checksum of every byte in file order, on whichever worker;
     * ``writeback_s``: starting early writeback; ``fsync_s``: each file's final fsync (file thread);
     * ``rehash_s``: reading back a file written out of order to checksum it;
-    * ``bytes_copied``, ``bytes_written``, ``bytes_hashed``, ``blocks``, ``writebacks``.
+    * ``bytes_copied``, ``bytes_filled``, ``bytes_written``, ``bytes_hashed``, ``blocks``, ``writebacks``.
 
     Times of different threads overlap: their sum may exceed the wall time (``elapsed_s``).
     """

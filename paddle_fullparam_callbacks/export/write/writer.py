@@ -4,10 +4,11 @@ The writer carries out an :class:`ExportPlan`: each file's header is known in ad
 tensor's bytes go to their planned offset as they arrive, and the checksum of a file is computed
 on the way when tensors arrive in file order (the usual case), or by one read-back otherwise.
 ``put`` only queues a tensor; a writer thread puts tensors in file order and cuts them into
-pieces that the threads of ``pipeline`` copy (transposed views), write and hash side by
+pieces that the threads of ``pipeline`` prepare (transposed views copied into file order, lazy
+arrays computed: casts, LoRA merges) on the ``export.threads`` workers, hash and write side by
 side. The bytes held for tensors not yet written and hashed never exceed ``max_pending_bytes``
-(one tensor larger than that is let through alone), and the copies in flight never exceed
-``_POOL_BLOCKS`` x ``_BLOCK_BYTES``.
+(one tensor larger than that is let through alone), and the buffers in flight never exceed
+max(``_POOL_BLOCKS``, ``_BLOCKS_PER_THREAD`` x threads) x ``_BLOCK_BYTES``.
 """
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ from typing import Iterable, Optional
 import numpy as np
 
 from ... import _dtypes, _faults
+from ...host.copy import row_blocks
+from ...host.lazy import LazyArray, rows_of
+from ...host.pool import shared
 from ...plan.export_plan import ExportPlan, ShardFile, TensorSlot
 from . import checksum
-from .copy import row_blocks
 from .fsync import fsync_dir
 from .pipeline import BlockPool, Countdown, Piece, Pipeline, Stopped
 from .stats import WriterStats
@@ -32,7 +35,8 @@ from .syscalls import allocate, pwrite_all
 
 # Sizes, read when a writer starts (module globals: the tests make them tiny).
 _BLOCK_BYTES = 2 * 2**20  # a strided tensor is copied into file order in blocks of about this size
-_POOL_BLOCKS = 8  # reusable buffers for those copies: at most 8 x 2 MB in flight per writer
+_POOL_BLOCKS = 8  # reusable buffers for those copies: at least 8 x 2 MB in flight per writer,
+_BLOCKS_PER_THREAD = 3  # and 3 per worker thread (one being filled, one being hashed or written, one spare)
 _PIECE_BYTES = 16 * 2**20  # a contiguous tensor goes to pwrite (and the hash) in pieces of at most this
 _WRITEBACK_EVERY = 64 * 2**20  # early writeback of a file is started every this many bytes
 _ALLOCATE = True  # fallocate each file before writing it (see syscalls.allocate)
@@ -100,7 +104,8 @@ class _FileState:
             if zero_row is None:
                 parts = [array]
             else:  # the rows around it as they are, the row itself from a small buffer of zeros
-                parts = [array[:zero_row], np.zeros(array[zero_row].shape, array.dtype), array[zero_row + 1:]]
+                parts = [rows_of(array, 0, zero_row), np.zeros(array.shape[1:], array.dtype),
+                         rows_of(array, zero_row + 1, len(array))]
             for part in parts:
                 if part.ndim and not len(part) and part is not array:
                     continue
@@ -111,11 +116,11 @@ class _FileState:
 
     def _queue_pieces(self, array: np.ndarray, offset: int, hash_it: bool, tensor: Countdown) -> int:
         w = self.writer
-        contiguous = array.flags.c_contiguous or array.ndim == 0
+        contiguous = not isinstance(array, LazyArray) and (array.flags.c_contiguous or array.ndim == 0)
         for r0, r1 in row_blocks(array, w._piece_bytes if contiguous else w._block_bytes):
             _faults.point("block")
             w._check()
-            src = array if array.ndim == 0 else array[r0:r1]
+            src = rows_of(array, r0, r1)
             if contiguous:
                 buf, view, give_back = None, _dtypes.as_bytes_view(src), None
             else:
@@ -177,13 +182,15 @@ class SnapshotWriter:
     """Writes the files of ``plan`` listed in ``file_indices`` into ``directory``.
 
     ``put(name, array, release)`` hands over one tensor (a numpy array of the planned dtype
-    storage and shape; a strided view such as a transpose is fine: it is copied in blocks);
+    storage and shape; a strided view such as a transpose is fine: it is copied in blocks; so is a
+    ``host.lazy.LazyArray``, computed block by block on the worker threads);
     ``close()`` waits for the disk, fsyncs and returns a :class:`FileResult` per file;
     ``abort()`` stops and removes this writer's files. The array must not change until its
     ``release()`` runs (or close()). ``stats`` (a :class:`WriterStats`) says where the time went.
 
     With ``background`` (the default) a writer thread takes the tensors in file order and the
-    threads of ``pipeline`` copy, write, hash and fsync; without it all of that happens
+    threads of ``pipeline`` copy, write, hash and fsync, the byte work on the process's pool of
+    ``threads`` workers (``export.threads``; None: ``auto``); without it all of that happens
     inside ``put`` and ``close`` on the caller's thread.
     """
 
@@ -194,6 +201,7 @@ class SnapshotWriter:
         file_indices: Optional[Iterable[int]] = None,
         max_pending_bytes: int = 512 * 2**20,
         background: bool = True,
+        threads=None,
     ):
         self.plan = plan
         self.directory = Path(directory)
@@ -213,9 +221,11 @@ class SnapshotWriter:
         self._queued_bytes = 0  # handed over, not yet written and hashed (the stash excluded)
         self._stash_bytes = 0
         self.peak_pending_bytes = 0
-        self._pipeline = Pipeline(self.stats, lambda fd, b, o: _pwrite_all(fd, b, o), self._fail,
-                                  threaded=background)
-        self._pool = BlockPool(_BLOCK_BYTES, _POOL_BLOCKS if background else 1, self._stopped)
+        workers = shared(threads) if background else None
+        self.threads = workers.size if workers is not None else 1
+        self._pipeline = Pipeline(self.stats, lambda fd, b, o: _pwrite_all(fd, b, o), self._fail, workers)
+        blocks = max(_POOL_BLOCKS, _BLOCKS_PER_THREAD * self.threads) if background else 1
+        self._pool = BlockPool(_BLOCK_BYTES, blocks, self._stopped)
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread = None
         if background:
@@ -410,7 +420,6 @@ class SnapshotWriter:
                 return
             self._accept_safely(*item)
             item = None  # not held while waiting for the next: the producer's memory goes once written
-            item = None  # not held while waiting for the next tensor
 
     def _stop_thread(self) -> None:
         if self._thread is not None:

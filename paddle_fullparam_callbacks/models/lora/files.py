@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from .layers import LoraError
-from .merge import merged_block
+from .merge import MergedArray
 
 _SUFFIXES = (".lora_A", ".lora_B")
 
@@ -88,15 +88,10 @@ class MergedTensors:
         a = self.lora.read(lay.a_key, (r0, 0), (m, lay.r))
         b = self.lora.read(lay.b_key, (0, c0), (lay.r, n))
         dtype = self._dtypes[key]
-        try:
-            merged = merged_block(w, dtype, a, self._lora_dtypes[lay.a_key], b, self._lora_dtypes[lay.b_key], lay.scaling)
+        try:  # merged in float32, cast once (Paddle's bits); the rest block by block where it is written
+            return MergedArray(w, dtype, a, self._lora_dtypes[lay.a_key], b, self._lora_dtypes[lay.b_key], lay.scaling)
         except ValueError as e:
             raise LoraError(f"LoRA layer {lay.name!r}: {e}") from e
-        if dtype != "float32":
-            from ...assemble.arrays import cast_array
-
-            merged = cast_array(merged, "float32", dtype)  # merged in float32, cast once (Paddle's cast)
-        return merged
 
     def describe(self) -> dict:
         return self.base.describe()

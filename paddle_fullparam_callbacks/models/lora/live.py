@@ -16,34 +16,34 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from ...assemble.arrays import cast_array
 from ...assemble.device import host_array
 from ...assemble.mapping import dtype_name
 from ...export.source import Companion
 from . import adapter as peft
 from .layers import LoraError, LoraLayer, attach_keys, describe, find_lora_layers, lora_config_of
-from .merge import merged_block
+from .merge import MergedArray
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 
 
 def merge_transform(lay: LoraLayer) -> Callable:
-    """fn(this rank's block of the layer's weight as a host array, its dtype) -> the block to export, a
-    host array of the same dtype (merged if the layer is active). The LoRA factors come to the host
-    through the device boundary; the merge runs on the host, so a job on an accelerator merges with
-    the same bits as the CPU tests (and peft), and spends no device memory on it."""
+    """fn(this rank's block of the layer's weight as a host array, its dtype) -> the block to export in
+    the same dtype (merged if the layer is active): a lazy array (``MergedArray``: the product now, the
+    rest block by block on the writer's worker threads; merged in float32, cast once with Paddle's
+    bits). The LoRA factors come to the host through the device boundary; the merge runs on the host,
+    so a job on an accelerator merges with the same bits as the CPU tests (and peft), and spends no
+    device memory on it."""
 
-    def merged(weight: np.ndarray, w_dtype: str) -> np.ndarray:
+    def merged(weight: np.ndarray, w_dtype: str):
         if lay.state() != "active":
             return weight
         layer = lay.layer
         a, b = layer.lora_A, layer.lora_B
         try:
-            block = merged_block(weight, w_dtype, host_array(a), dtype_name(a), host_array(b), dtype_name(b),
-                                 layer.scaling)
+            return MergedArray(weight, w_dtype, host_array(a), dtype_name(a), host_array(b), dtype_name(b),
+                               layer.scaling)
         except ValueError as e:
             raise LoraError(f"LoRA layer {lay.name!r} ({lay.weight_key}): {e}") from e
-        return cast_array(block, "float32", w_dtype)  # merged in float32, cast once (Paddle's cast)
 
     return merged
 
