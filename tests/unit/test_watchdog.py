@@ -63,3 +63,39 @@ def test_closing_removes_each_ranks_progress_file_and_the_last_removes_the_direc
     assert sorted(p.name for p in progress.iterdir()) == ["rank-1"]  # rank 1 still runs: its file stays
     dogs[1].close()
     assert not progress.exists() and (tmp_path / "keep.txt").exists()
+
+
+def test_a_collective_that_fails_because_a_peer_ended_names_the_peer_that_stopped(tmp_path, caplog):
+    """The first watchdogs to fire end their ranks; a rank whose own has not fired yet sees gloo's
+    'Connection reset by peer' instead: it names the stopped rank all the same, and the error goes on."""
+    wd, fired, codes = _watchdog(tmp_path, timeout=30)
+    now = time.time()
+    (tmp_path / "rank-1").write_text(json.dumps({"what": "status exchange", "entered": now, "alive": now + 60}))
+    (tmp_path / "rank-2").write_text(json.dumps({"what": "assembly", "entered": now - 100, "alive": now - 100}))
+    wd.step = 3
+    try:
+        with wd.waiting("status exchange"):
+            raise ValueError("(InvalidArgument) TCP receive error. Details: Connection reset by peer.\nmore")
+    except ValueError as e:
+        assert "Connection reset" in str(e)
+    else:
+        raise AssertionError("the collective's error was swallowed")
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert ("rank 0's 'status exchange' (step 3) failed after 0 s (ValueError: (InvalidArgument) TCP receive error. "
+            "Details: Connection reset by peer.), waiting for rank(s) [2]") in message, message
+    assert "rank 2 not responding" in message and codes == [] and not fired.is_set()
+    wd.close()
+
+
+def test_a_collective_that_fails_with_every_peer_alive_adds_nothing(tmp_path, caplog):
+    wd, _, codes = _watchdog(tmp_path, timeout=30)
+    now = time.time()
+    for r in (1, 2):
+        (tmp_path / f"rank-{r}").write_text(json.dumps({"what": "status exchange", "entered": now + 1, "alive": now + 60}))
+    try:
+        with wd.waiting("status exchange"):
+            raise RuntimeError("a bug of ours")
+    except RuntimeError:
+        pass
+    assert not [r for r in caplog.records if "failed after" in r.getMessage()] and codes == []
+    wd.close()

@@ -83,9 +83,26 @@ class Watchdog:
             self._active = (what, list(peers) if peers is not None else self.world, now, time.monotonic())
         try:
             yield
+        except Exception as e:
+            self._failed(what, peers if peers is not None else self.world, now, e)
+            raise
         finally:
             with self._guard:
                 self._active = None if outer is None else (*outer[:3], time.monotonic())
+
+    def _failed(self, what: str, peers: List[int], since: float, error: Exception) -> None:
+        """A collective raised (gloo: 'Connection reset by peer' once a peer's watchdog ended it): the
+        same diagnosis as a timeout, so that every rank names the rank that stopped, not only the first
+        whose watchdog fired."""
+        culprits, where = self.peers_report(peers, since)
+        if not culprits:
+            return
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        message = (f"export.timeout_s={self.timeout_s:g}: rank {self.rank}'s '{what}' (step {self.step}) failed after "
+                   f"{time.time() - since:.0f} s ({type(error).__name__}: {first}), waiting for rank(s) {culprits} "
+                   f"({where})")
+        logger.error(message)
+        print(f"paddle_fullparam_callbacks: {message}", file=sys.stderr, flush=True)
 
     def beat(self) -> None:
         """Progress inside a long collective phase (a tensor arrived): its clock restarts."""
