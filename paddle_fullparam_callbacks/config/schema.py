@@ -132,7 +132,7 @@ class ExportConfig:
     """Worker threads of this rank for an export's byte work (transposed copies into file order, casts,
     LoRA merges, BLAKE3), each large tensor cut into blocks of a few MB: a whole number >= 1, or auto:
     the CPUs of this rank's affinity divided among the job's ranks on the node (PADDLE_LOCAL_SIZE).
-    Beside them each writer has one thread for its writes."""
+    The same threads hash and pwrite in file order; a writer's own threads only hand pieces over and fsync."""
 
     def __post_init__(self):
         _check_choice("export.format", self.format, EXPORT_FORMATS)
