@@ -37,7 +37,9 @@ turn, after waiting for the CPUs to be idle):
 
 A child also measures how much of the CPUs other processes used during its timed region
 (``CpuShare``); a run where they used more than 20% is repeated (up to 3 tries, the least
-disturbed is kept; all recorded under ``disturbance``). Ratios are given both as the ratio of the
+disturbed is kept; all recorded under ``disturbance``). A ``raw`` or ``raw_bf16`` run on tmpfs slower than
+half the page-cache rate the ``facts`` child measured alone is repeated the same way (this VM sometimes
+stalls such a write 4-8x with no other process running); ``ours`` is never repeated for that. Ratios are given both as the ratio of the
 medians and as the median of each repetition's paired ratio.
 
 Inside a child, freed heap memory is returned to the OS (``malloc_trim``) and the RSS baseline is
@@ -80,6 +82,7 @@ TARGETS = {"ratio_vs_raw.tmpfs": ">= 0.85", "bf16_ratio_vs_raw_bf16": ">= 0.5",
            "peak_extra_rss_fraction.ours, ours_bf16": "<= 0.05"}
 DISTURBED = 0.2  # others used more than this share of the CPUs during a run: it is repeated
 RETRIES = 3
+STALLED_BELOW = 0.5  # a raw tmpfs run below this fraction of the facts' page-cache rate was stalled
 RESULT_PATH = C.RESULTS_DIR / "export_single.json"
 
 
@@ -318,6 +321,17 @@ def _breakdown(runs: list) -> dict:
     return out
 
 
+def _stalled(regime: str, variant: str, r: dict, facts_result: dict) -> bool:
+    """A raw run on tmpfs is one thing, the page-cache copy the facts timed alone: at under half that
+    rate something outside the process stalled it (seen on this VM: the same raw write took 0.24 s or
+    1.6-1.9 s, with no other process on the CPUs). Only the baselines are judged: ours is never retried
+    for this, so the rule can only make the ratios less flattering."""
+    if regime != "tmpfs" or variant not in ("raw", "raw_bf16"):
+        return False
+    alone = facts_result.get("writes_256MB", {}).get("tmpfs", {}).get("pwrite_page_cache_gb_s")
+    return bool(alone) and r["snapshot_bytes"] / 1e9 / r["seconds"] < STALLED_BELOW * alone
+
+
 def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float) -> dict:
     plan = list(_runs_of(regimes, variants))
     runs = {(g, v): [] for g, v in plan}
@@ -341,12 +355,15 @@ def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float) 
                     tmp.mkdir()
                     os.sync()
                 r["quiet"] = q
+                r["stalled"] = _stalled(regime, v, r, facts_result)
                 tries.append(r)
-                if r["cpu"]["foreign_fraction"] <= DISTURBED:
+                if r["cpu"]["foreign_fraction"] <= DISTURBED and not r["stalled"]:
                     break
             shutil.rmtree(tmp, ignore_errors=True)
-            r = min(tries, key=lambda x: x["cpu"]["foreign_fraction"])
+            r = min(tries, key=lambda x: (x["cpu"]["foreign_fraction"] > DISTURBED or x["stalled"], x["cpu"]["foreign_fraction"],
+                                         x["seconds"]))
             r["disturbed_tries"] = [t["cpu"]["foreign_fraction"] for t in tries if t is not r]
+            r["stalled_tries"] = [round(t["seconds"], 3) for t in tries if t is not r and t["stalled"]]
             runs[(regime, v)].append(r)
             print(f"rep {rep + 1}/{reps} {regime:>5} {v:>13}: {r['seconds']:6.3f} s "
                   f"({r['snapshot_bytes'] / 1e9 / r['seconds']:5.2f} GB/s), peak extra RSS "
@@ -419,6 +436,10 @@ def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float) 
                 f"(at most {RETRIES} tries; the least disturbed one is kept)",
         "repeated_runs": sum(len(r["disturbed_tries"]) for rs in runs.values() for r in rs),
         "kept_runs_over_limit": sum(r["cpu"]["foreign_fraction"] > DISTURBED for rs in runs.values() for r in rs),
+        "stalled_rule": f"a raw or raw_bf16 run on tmpfs below {STALLED_BELOW:g} x the facts' page-cache pwrite rate "
+                        f"is repeated too (at most {RETRIES} tries; the fastest is kept); ours is never repeated for it",
+        "stalled_runs_repeated": sum(len(r.get("stalled_tries", [])) for rs in runs.values() for r in rs),
+        "kept_runs_stalled": sum(bool(r.get("stalled")) for rs in runs.values() for r in rs),
         "foreign_fraction_of_kept_runs": {f"{g}.{v}": [r["cpu"]["foreign_fraction"] for r in rs] for (g, v), rs in runs.items()},
     }
     out["child_build_seconds_median"] = C.median([r["build_seconds"] for rs in runs.values() for r in rs])
