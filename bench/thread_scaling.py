@@ -36,18 +36,16 @@ VARIANTS = {"float32": ("ours_t1", "ours"), "bfloat16": ("ours_bf16_t1", "ours_b
 
 def stage_seconds(breakdown: dict) -> dict:
     w, s = breakdown["writer"], breakdown["session_s"]
-    parallel = w.get("copy_s", 0.0) + w.get("fill_s", 0.0)
-    return {"copy_and_fill_s": round(parallel, 4), "hash_s": round(w["hash_s"], 4), "write_s": round(w["write_s"], 4),
-            "fixed_s": round(s["plan_s"] + s["commit_s"], 4)}
+    return {"copy_and_fill_s": round(w.get("copy_s", 0.0) + w.get("fill_s", 0.0), 4), "hash_s": round(w["hash_s"], 4),
+            "write_s": round(w["write_s"], 4), "fixed_s": round(s["plan_s"] + s["commit_s"], 4)}
 
 
-def per_thread_rates(w: dict) -> dict:
+def per_thread_rates(w: dict, stages: dict) -> dict:
     """GB/s of one thread in each stage: copies and lazy fills per byte they produced, hash and pwrite per byte."""
     made = w.get("bytes_copied", 0.0) + w.get("bytes_filled", 0.0)
-    parallel = w.get("copy_s", 0.0) + w.get("fill_s", 0.0)
-    out = {"copy_and_fill": round(made / 1e9 / parallel, 2) if parallel else None,
-           "hash": round(w["bytes_hashed"] / 1e9 / w["hash_s"], 2), "write": round(w["bytes_written"] / 1e9 / w["write_s"], 2)}
-    return out
+    return {"copy_and_fill": round(made / 1e9 / stages["copy_and_fill_s"], 2) if stages["copy_and_fill_s"] else None,
+            "hash": round(w["bytes_hashed"] / 1e9 / stages["hash_s"], 2),
+            "write": round(w["bytes_written"] / 1e9 / stages["write_s"], 2)}
 
 
 def predict(stages: dict, n: int) -> float:
@@ -57,20 +55,22 @@ def predict(stages: dict, n: int) -> float:
 
 def main() -> None:
     src = json.loads(SOURCE.read_text())
-    tmpfs, gb = src["regimes"]["tmpfs"], src["model_bytes"] / 1e9
+    tmpfs = src["regimes"]["tmpfs"]
     rows = {}
     for dtype, (one, two) in VARIANTS.items():
-        stages = stage_seconds(tmpfs[f"breakdown_{one}"])
-        written = gb / 2 if dtype == "bfloat16" else gb
+        breakdown = tmpfs[f"breakdown_{one}"]
+        stages = stage_seconds(breakdown)
+        written = breakdown["writer"]["bytes_written"] / 1e9  # the snapshot's bytes (half the model's in bf16)
         measured = {1: tmpfs["seconds"][one], 2: tmpfs["seconds"][two]}
+        predicted = {n: predict(stages, n) for n in PREDICTED_CORES}
         rows[dtype] = {
             "stages_one_thread_s": stages,
-            "per_thread_gb_s": per_thread_rates(tmpfs[f"breakdown_{one}"]["writer"]),
+            "per_thread_gb_s": per_thread_rates(breakdown["writer"], stages),
             "measured_s": {str(n): round(t, 4) for n, t in measured.items()},
             "measured_gb_s": {str(n): round(written / t, 2) for n, t in measured.items()},
             "model_s": {str(n): round(predict(stages, n), 4) for n in (1, 2)},
-            "predicted_s": {str(n): round(predict(stages, n), 4) for n in PREDICTED_CORES},
-            "predicted_gb_s": {str(n): round(written / predict(stages, n), 2) for n in PREDICTED_CORES},
+            "predicted_s": {str(n): round(t, 4) for n, t in predicted.items()},
+            "predicted_gb_s": {str(n): round(written / t, 2) for n, t in predicted.items()},
             "bound_beyond_2_threads": max(("hash_s", "write_s"), key=lambda k: stages[k]),
         }
     result = {"benchmark": "thread_scaling", "source": str(SOURCE.relative_to(C.RESULTS_DIR.parent.parent)),

@@ -77,14 +77,15 @@ class Watchdog:
     def waiting(self, what: str, peers: Optional[List[int]] = None):
         """This rank is in collective ``what`` with ``peers`` (default: every rank)."""
         now = time.time()
+        group = list(peers) if peers is not None else self.world
         self._record(what, now)
         with self._guard:
             outer = self._active  # a collective inside a longer phase (an exchange during assembly)
-            self._active = (what, list(peers) if peers is not None else self.world, now, time.monotonic())
+            self._active = (what, group, now, time.monotonic())
         try:
             yield
         except Exception as e:
-            self._failed(what, peers if peers is not None else self.world, now, e)
+            self._failed(what, group, now, e)
             raise
         finally:
             with self._guard:

@@ -32,7 +32,7 @@ from ..commit.ownership import delete_marked, is_marked, mark, snapshot_identity
 from ..write.fsync import write_json_durable
 from . import result as results
 from .command import build_argv, describe
-from ..runner import EVALUATOR_PID, KILL_GRACE_S, STATUS
+from ..runner import EVALUATOR_PID, KILL_GRACE_S, STATUS, find, is_alive
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 
@@ -350,19 +350,6 @@ def runner_state(running: dict, work: Path) -> str:
         if isinstance(started, (int, float)) and isinstance(timeout, (int, float)):
             return "alive" if time.time() < started + timeout + BACKSTOP_S + 300 else "dead"
         return "dead"
-    candidates = [pid] if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else _runner_pids()
-    for p in candidates:
-        try:
-            cmdline = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if str(RUNNER.name).encode() in b" ".join(cmdline) and str(work).encode() in cmdline:
-            return "alive"
-    return "dead"
-
-
-def _runner_pids() -> List[int]:
-    try:
-        return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return []
+    if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+        return "alive" if is_alive(pid, str(work)) else "dead"
+    return "alive" if find(str(work)) is not None else "dead"  # a job that died before it recorded the pid
