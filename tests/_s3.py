@@ -15,6 +15,7 @@ IAM authentication is switched on (:func:`enforce_auth`), so a header the proxy 
 from __future__ import annotations
 
 import http.client
+import os
 import sys
 import threading
 import urllib.request
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, List, Optional, Tuple
 from urllib.parse import urlsplit
+
+import pytest
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 ERROR_XML = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
@@ -214,3 +217,27 @@ class Proxy:
                 h.wfile.write(data)
         finally:
             conn.close()
+
+
+# ---- the fixtures of the publisher's tests (imported by each test module that uses them) -----------------
+@pytest.fixture(scope="module")
+def moto():
+    """moto's server on a free port for the module's tests, with test credentials in the environment."""
+    old = {k: os.environ.get(k) for k in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    server, endpoint = start_moto()
+    yield endpoint
+    server.stop()
+    for k, v in old.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+@pytest.fixture
+def s3(moto, request):
+    """(boto3 client, a fresh bucket's name, a proxy in front of the server)."""
+    c = client(moto)
+    bucket = f"train-{abs(hash(request.node.name)) % 10**8}"
+    c.create_bucket(Bucket=bucket)
+    proxy = Proxy(moto)
+    yield c, bucket, proxy
+    proxy.close()

@@ -23,33 +23,12 @@ from paddle_fullparam_callbacks.trainer.publishing import PublishStartFailed
 
 from _evaluators import wait_until
 from _helpers import listing, run_cli
-from _s3 import CREDENTIALS, Proxy, client, keys_under, open_uploads, start_moto
+from _s3 import keys_under, moto, open_uploads, s3  # noqa: F401 (moto, s3: fixtures)
 
 pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
 # embeddings and head of 6000 x 256 floats: a 13 MB shard, three parts of 5 MiB
 BIG = {"vocab_size": 6000, "hidden_size": 256, "intermediate_size": 256}
 SHARD = "model.safetensors"
-
-
-@pytest.fixture(scope="module")
-def moto():
-    old = {k: os.environ.get(k) for k in CREDENTIALS}
-    os.environ.update(CREDENTIALS)
-    server, endpoint = start_moto()
-    yield endpoint
-    server.stop()
-    for k, v in old.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-
-
-@pytest.fixture
-def s3(moto, request):
-    c = client(moto)
-    bucket = f"train-{abs(hash(request.node.name)) % 10**8}"
-    c.create_bucket(Bucket=bucket)
-    proxy = Proxy(moto)
-    yield c, bucket, proxy
-    proxy.close()
 
 
 def name(step: int) -> str:

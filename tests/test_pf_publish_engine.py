@@ -26,33 +26,10 @@ from paddle_fullparam_callbacks.export.publish.store import Store, StoreError
 from paddle_fullparam_callbacks.export.publish.upload import LocalFileChanged
 from paddle_fullparam_callbacks.export.write import checksum
 
-from _s3 import CREDENTIALS, Proxy, client, enforce_auth, keys_under, open_uploads, start_moto
+from _s3 import enforce_auth, keys_under, moto, open_uploads, s3  # noqa: F401 (moto, s3: fixtures)
 
 pytestmark = [pytest.mark.paddleformers]
 MIB = 2**20
-BUCKET = "snaps"
-
-
-@pytest.fixture(scope="module")
-def moto():
-    old = {k: os.environ.get(k) for k in CREDENTIALS}
-    os.environ.update(CREDENTIALS)
-    server, endpoint = start_moto()
-    yield endpoint
-    server.stop()
-    for k, v in old.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-
-
-@pytest.fixture
-def s3(moto, request):
-    """(boto3 client, a fresh bucket's name, a proxy in front of the server)."""
-    c = client(moto)
-    bucket = f"{BUCKET}-{abs(hash(request.node.name)) % 10**8}"
-    c.create_bucket(Bucket=bucket)
-    proxy = Proxy(moto)
-    yield c, bucket, proxy
-    proxy.close()
 
 
 def make_snapshot(out: Path, step: int, run: str = "r1", shard: int = 11 * MIB + 3, seed: int = 0,
