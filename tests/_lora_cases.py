@@ -84,8 +84,9 @@ def run_checks(hf_python: str, cases: list, tmp: Path) -> dict:
 
 def assert_hf_report(r: dict, peft: bool = True, tol: float = 1e-5) -> None:
     """The merged snapshot loads with no missing or unexpected key, matches Paddle's LoRA forward within
-    ``tol``, and differs from the base weights' logits; peft loads the adapter whole and merges it to the
-    snapshot's tensors bit for bit."""
+    ``tol``, and differs from the base weights' logits; peft loads the adapter whole; each merged tensor is the
+    package's rule applied to peft's layers, bit for bit, and peft's own merge differs from it by no more than
+    torch's float32 matmul may round (machine-dependent bits: only the bound is asserted)."""
     assert r["missing_keys"] == [] and r["unexpected_keys"] == [] and r["mismatched_keys"] == [], r
     if "merged_max_abs_diff" in r:
         assert r["merged_max_abs_diff"] <= tol, r
@@ -94,7 +95,8 @@ def assert_hf_report(r: dict, peft: bool = True, tol: float = 1e-5) -> None:
     if peft:
         assert r["peft_missing_adapter_keys"] == [] and r["peft_unexpected_keys"] == [], r
         assert r["peft_modules"] * 2 == r["peft_adapter_tensors"], r
-        assert r["bitwise_vs_peft_merge"]["differ"] == [], r["bitwise_vs_peft_merge"]
+        assert r["rule"]["tensors"] == r["peft_modules"] and r["rule"]["rule_differ"] == [], r["rule"]
+        assert r["vs_peft_merge"]["max_ratio_to_bound"] <= 1.0, r["vs_peft_merge"]
         if "peft_max_abs_diff" in r:
             assert r["peft_max_abs_diff"] <= tol, r
 

@@ -170,12 +170,13 @@ def test_a_merged_layer_is_not_merged_twice(cases, hf_reports):
 
 def test_bf16_weights_merge_in_float32_and_cast_once(cases, hf_reports):
     from paddle_fullparam_callbacks.models.lora.merge import as_float32
+    from paddle_fullparam_callbacks.models.lora.product import exact_product
 
     lm = cases["bf16"]["lm"]
     layer = lm.model.model.layers[0].self_attn.q_proj
     w = layer.weight.view(paddle.uint16).numpy()
     a, b = layer.lora_A.numpy(), layer.lora_B.numpy()
-    f32 = as_float32(w, "bfloat16") + ((b.T @ a.T) * np.float32(layer.scaling)).T
+    f32 = as_float32(w, "bfloat16") + (exact_product(b.T, a.T) * np.float32(layer.scaling)).T  # the product's rule
     want = paddle.to_tensor(f32).astype("bfloat16").view(paddle.uint16).numpy().T
     got = snapshot_tensors(cases["bf16"]["snapshot"])["model.layers.0.self_attn.q_proj.weight"]
     assert got.dtype == np.uint16 and np.array_equal(got, want)
@@ -217,3 +218,25 @@ def test_the_base_model_with_lora_layers_exports_as_its_wrapper(cases, tmp_path)
     # the issue's second symptom: the inner model was refused ("lora_A ... under Paddle names no statement maps")
     inner = export(cases["ernie"]["lm"].model, tmp_path / "inner", "export.peft_adapter=inside").path
     assert_same_snapshots(inner, cases["ernie"]["snapshot"])
+
+
+def test_a_lora_snapshot_has_the_same_bytes_whatever_the_blas_threading(tmp_path):
+    """Issue 30: the same LoRA model exported by processes whose OpenBLAS runs 1 or 2 threads (and the machine's
+    default), products of 1024 x 16 x 2816 (large enough for OpenBLAS to thread them): the same bytes."""
+    import os
+    import subprocess
+
+    snaps = {}
+    for setting in ("1", "2", None):
+        env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+        if setting:
+            env["OPENBLAS_NUM_THREADS"] = setting
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_lora_blas_job.py"), str(tmp_path / f"t{setting}")],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        report = json.loads(proc.stdout.strip().splitlines()[-1])
+        if setting:
+            assert report["blas_threads"] in (int(setting), None), report  # None: no OpenBLAS found to ask
+        snaps[setting] = Path(report["snapshot"])
+    assert_same_snapshots(snaps["1"], snaps["2"])
+    assert_same_snapshots(snaps["1"], snaps[None])

@@ -2,7 +2,9 @@
 name mapping, the checkpoint layers (no model, no Paddle tensors: milliseconds)."""
 from __future__ import annotations
 
+import contextlib
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -15,8 +17,8 @@ from paddle_fullparam_callbacks.models.lora.adapter import (
 from paddle_fullparam_callbacks.models.lora.files import StoredLora, lora_settings, stored_layers
 from paddle_fullparam_callbacks.models.lora.layers import LoraError
 from paddle_fullparam_callbacks.host import blas
-from paddle_fullparam_callbacks.models.lora import merge as merge_module
 from paddle_fullparam_callbacks.models.lora.merge import MergedArray, as_float32, delta_hf, merged_block
+from paddle_fullparam_callbacks.models.lora.product import exact_product
 from paddle_fullparam_callbacks.plan.export_plan import TensorSpec
 
 
@@ -49,18 +51,76 @@ def _rand(shape, seed, scale=1.0):
     return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
 
 
+def _f32_nearest(x: Fraction) -> float:
+    """The float32 nearest the rational ``x``, ties to even, by integer arithmetic (the test's own rounding,
+    independent of ``product.round_to_float32``): x = n * 2^e with 2^23 <= |n| < 2^24 (or e = -149 below)."""
+    if x == 0:
+        return 0.0
+    e = max(math.floor(math.log2(abs(x))) - 23, -149)
+    while abs(x) / Fraction(2) ** e >= 2**24:  # log2 of a Fraction is a float: settle the exponent exactly
+        e += 1
+    while e > -149 and abs(x) / Fraction(2) ** e < 2**23:
+        e -= 1
+    n = round(x / Fraction(2) ** e)  # Python rounds a Fraction half to even, exactly
+    return math.inf * (1 if x > 0 else -1) if abs(n) * Fraction(2) ** e >= 2**128 else float(n * Fraction(2) ** e)
+
+
+def _rule_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The rule, by its definition: each element the float32 nearest the exact sum of its products."""
+    out = np.empty((a.shape[0], b.shape[1]), np.float32)
+    for i in range(a.shape[0]):
+        for j in range(b.shape[1]):
+            out[i, j] = _f32_nearest(sum((Fraction(float(x)) * Fraction(float(y)) for x, y in zip(a[i], b[:, j])),
+                                         Fraction(0)))
+    return out
+
+
+def _bits(x) -> bytes:
+    return np.ascontiguousarray(x, np.float32).tobytes()
+
+
+@pytest.mark.parametrize("terms, want", [
+    ([1.0, 2.0**-24], 1.0),  # a tie between 1 and 1 + 2^-23: to the even one
+    ([1.0 + 2.0**-23, 2.0**-24], 1.0 + 2.0**-22),  # a tie from the odd side: up
+    ([1.0, 2.0**-24, 2.0**-60], 1.0 + 2.0**-23),  # just past the tie (float64 loses the 2^-60: the exact path)
+    ([1.0, 2.0**-24, -(2.0**-60)], 1.0),  # just short of it
+    ([2.0**30, -(2.0**30), 2.0**-30], 2.0**-30),  # cancellation: nothing of the big terms is left
+    ([3.0e38, 3.0e38], math.inf),  # past the largest float32
+    ([-0.0, -0.0], 0.0),  # an exact zero is +0.0
+])
+def test_the_product_is_the_float32_nearest_the_exact_sum(terms, want):
+    a = np.array([terms], np.float32)
+    b = np.ones((len(terms), 1), np.float32)
+    got = exact_product(a, b)
+    assert _bits(got) == _bits([[want]]) == _bits(_rule_product(a, b)), (got, want)
+    assert _bits(exact_product(b.T, a.T)) == _bits(got)  # the same sum in the other layout
+
+
+def test_the_product_follows_the_rule_on_random_and_low_precision_inputs():
+    """Random float32 factors, and bfloat16-like ones (8-bit mantissas: many sums land exactly on a float32
+    or on a tie), against the rule computed by its definition; no BLAS result is the reference."""
+    a, b = _rand((23, 40), 11), _rand((40, 17), 12, 1e-3)
+    assert _bits(exact_product(a, b)) == _bits(_rule_product(a, b))
+    coarse = lambda x: (x.view(np.uint32) & 0xFFFF0000).view(np.float32)  # noqa: E731
+    a2, b2 = coarse(_rand((16, 16), 13)), coarse(_rand((16, 16), 14))
+    assert _bits(exact_product(a2, b2)) == _bits(_rule_product(a2, b2))
+    nan = exact_product(np.array([[np.nan, 1.0]], np.float32), np.ones((2, 2), np.float32))
+    assert np.isnan(nan).all()
+
+
 def test_merged_block_is_w_plus_scaled_update_in_pefts_order():
     w, a, b = _rand((6, 5), 0), _rand((6, 3), 1), _rand((3, 5), 2)
     s = 5 / 3  # inexact in binary: the scalar is applied as float32, after the product
     got = merged_block(w, "float32", a, "float32", b, "float32", s)
     assert got.flags.c_contiguous and got.dtype == np.float32
-    delta = np.matmul(b.T, a.T) * np.float32(s)
+    delta = _rule_product(b.T, a.T) * np.float32(s)  # peft's order: (B^T @ A^T) * s, then W^T + delta
     assert np.array_equal(got, (w.T + delta).T)
+    assert _bits(delta_hf(a, b, s)) == _bits(delta)
     assert np.allclose(got, w + s * (a.astype(np.float64) @ b), atol=1e-6)
 
 
 def test_a_block_merges_with_its_rows_of_a_and_columns_of_b_to_the_same_bits():
-    w, a, b = _rand((8, 12), 3), _rand((8, 4), 4), _rand((4, 12), 5)
+    w, a, b = _rand((8, 12), 3), _rand((8, 40), 4), _rand((40, 12), 5)  # r = 40: blocks of a BLAS sgemm differ
     whole = merged_block(w, "float32", a, "float32", b, "float32", 2.0)
     block = merged_block(w[4:, 6:], "float32", a[4:], "float32", b[:, 6:], "float32", 2.0)
     assert np.array_equal(block, whole[4:, 6:])  # r is never split: a tensor-parallel rank's block merges alone
@@ -68,12 +128,14 @@ def test_a_block_merges_with_its_rows_of_a_and_columns_of_b_to_the_same_bits():
 
 @pytest.mark.parametrize("m, n, r", [(1024, 2816, 16), (300, 200, 64), (37, 5, 1), (1, 9, 3), (8, 1, 2)])
 def test_the_lazy_merge_has_merged_blocks_bits_in_any_layout_and_block(m, n, r):
-    """The export's merge (MergedArray: the product once, by the first block, in a reused buffer, on one BLAS
-    thread; the rest per block on the workers) equals the whole merge bit for bit, in Paddle's layout and
-    transposed, in blocks of any width (a product in blocks would not: OpenBLAS's tiles, r >= 32), for
-    float32 and bfloat16 weights; the BLAS thread count comes back; the buffer is reused."""
+    """The export's merge (MergedArray: each block computed alone on the workers) equals the whole merge bit for
+    bit, in Paddle's layout and transposed, in blocks of any width, for float32 and bfloat16 weights, whatever
+    OpenBLAS's thread count (the product's rule: no BLAS bits reach the result); the thread count comes back."""
     w, a, b = _rand((m, n), 6), _rand((m, r), 7), _rand((r, n), 8, 0.1)
     before = blas.threads()
+    if m * n <= 2000:  # the merge's first step is the rule's product, checked by the definition where it is quick
+        assert _bits(merged_block(np.zeros_like(w), "float32", a, "float32", b, "float32", 1.0)) == _bits(
+            _rule_product(a, b))
     for w_dtype, wt in (("float32", w), ("bfloat16", (w.view(np.uint32) >> 16).astype(np.uint16))):
         whole = merged_block(wt, w_dtype, a, "float32", b, "float32", 5 / 3)
         if w_dtype == "bfloat16":  # merged in float32, cast once: Paddle's rounding (host/casts.py)
@@ -99,12 +161,18 @@ def test_the_lazy_merge_has_merged_blocks_bits_in_any_layout_and_block(m, n, r):
             assert np.asarray(cast).tobytes() == np.concatenate(rows).tobytes() == want.tobytes()
         del lazy, view, rows
     assert blas.threads() == before
-    kept = [buf.nbytes for buf in merge_module._BUFFERS.free]
-    assert any(n_ >= m * n * 4 for n_ in kept)  # the product's buffer came back for the next merge
-    if blas.threads() is not None and blas.threads() > 1:  # one thread or several: the same products
-        with blas.one_thread():
-            one = np.matmul(a, b)
-        assert np.matmul(a, b).tobytes() == one.tobytes()
+    if blas.threads() is not None:  # BLAS left free to thread its float64 product (1, then 2 threads): same bits
+        from paddle_fullparam_callbacks.models.lora import product as product_module
+
+        api, want = blas._find(), exact_product(a, b)
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(product_module.blas, "one_thread", contextlib.nullcontext)
+                for n_threads in (1, 2):
+                    api[0](n_threads)
+                    assert _bits(exact_product(a, b)) == _bits(want), n_threads
+        finally:
+            api[0](before)
 
 
 def test_bfloat16_is_widened_exactly_and_bad_shapes_are_refused():
