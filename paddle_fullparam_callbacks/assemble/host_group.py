@@ -43,6 +43,7 @@ class HostGroup:
         self.index = self.ranks.index(rank)
         self.store = store
         self._arrivals = 0  # collectives this member has started: the same sequence on every member
+        self._pairs: dict = {}  # (src, dst) -> point-to-point transfers between them so far
 
     def ready(self) -> None:
         """Return once every member has reached its ``ready()`` of the same number. One counter in the
@@ -78,6 +79,32 @@ class HostGroup:
         if buf.nbytes:
             self.ready()
             self.pg.broadcast(_tensor(buf), self.ranks.index(src), True).wait()
+
+    def _pair_ready(self, src: int, dst: int) -> None:
+        """``ready()`` for the two ends of one point-to-point transfer (``src`` -> ``dst``, global ranks):
+        a counter per ordered pair, so the members not involved never wait."""
+        if self.store is None:
+            return
+        key = f"{_ARRIVALS}/{src}-{dst}"
+        seq = self._pairs[(src, dst)] = self._pairs.get((src, dst), 0) + 1
+        count, delay = self.store.add(key, 1), 1e-4
+        while count < 2 * seq:
+            time.sleep(delay)
+            delay = min(2 * delay, 0.01)
+            count = self.store.add(key, 0)
+
+    def send(self, buf: np.ndarray, dst: int) -> None:
+        """``buf`` (1-D uint8, C-contiguous) to global rank ``dst``, which calls ``recv`` with a buffer of the
+        same size. Blocks until ``dst`` has received it (gloo's send waits for the receiver)."""
+        if buf.nbytes:
+            self._pair_ready(self.rank, dst)
+            self.pg.send(_tensor(buf), self.ranks.index(dst), True).wait()
+
+    def recv(self, buf: np.ndarray, src: int) -> None:
+        """Into ``buf`` (1-D uint8, writable, C-contiguous) the bytes global rank ``src`` sends."""
+        if buf.nbytes:
+            self._pair_ready(src, self.rank)
+            self.pg.recv(_tensor(buf), self.ranks.index(src), True).wait()
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         """Every member's ``obj`` (picklable), in group order."""

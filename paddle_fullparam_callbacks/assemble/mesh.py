@@ -245,6 +245,8 @@ class MeshAssembler:
         self.errors: List[str] = []
         self.collectives = 0
         self.bytes_moved = 0
+        # what reached this rank from others (each collective's payload less its own part) and what it gave
+        self.stats = {"received": 0, "sent": 0, "packets": 0}
         # what this rank needs: items -> kept consumers, targets -> missing item count
         self._missing: Dict[str, int] = defaultdict(int)
         self._users: Dict[int, List[str]] = {}
@@ -258,19 +260,13 @@ class MeshAssembler:
         self._order = {n: k for k, n in enumerate(self.targets)}
         self._pending_uses: Dict[int, int] = {i: len(u) for i, u in self._users.items()}
 
-    def replica_digests(self) -> Dict[int, str]:
-        """sha256 of this rank's copy of every slice that several mesh ranks hold (replicas).
-
-        The caller compares them across the mesh before any collective: replicas that have
-        drifted apart would otherwise be exported from the lowest rank without a word.
-        """
-        import hashlib
-
-        out = {}
-        for it in self.items:
-            if len(it.holders) > 1 and self.rank in it.holders:
-                out[it.id] = hashlib.sha256(memoryview(self._local_bytes(it))).hexdigest()[:32]
-        return out
+    def whole_local_bytes(self, key: str) -> np.ndarray:
+        """This rank's slice of ``key`` as flat host bytes (transformed: a LoRA merge), for the replica check."""
+        arr, dtype = self.boundary.host_array(self.sd[key].local_tensor)
+        fn = self.transforms.get(key)
+        if fn is not None:
+            arr = fn(arr, dtype)
+        return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
 
     # ---- communication -------------------------------------------------------------------
     def _local_bytes(self, item: ReadItem) -> np.ndarray:
@@ -299,12 +295,14 @@ class MeshAssembler:
         if len(rows) > 1:
             col_buf = self.v_group.all_gather(buf).reshape(-1)
             self.collectives += 1
+            self._count(rnd.width * (len(rows) - 1), rnd.width * (len(rows) - 1))  # a ring: each passes on n-1 parts
         else:
             col_buf = buf
         # horizontal: every column's buffer
         if len(rows[0]) > 1:
             row = self.h_group.all_gather(col_buf)
             self.collectives += 1
+            self._count(col_buf.nbytes * (len(rows[0]) - 1), col_buf.nbytes * (len(rows[0]) - 1))
         else:
             row = col_buf.reshape(1, -1)
         self.bytes_moved += rnd.width * self.mesh.size
@@ -335,10 +333,13 @@ class MeshAssembler:
             if len(self.mesh.rows) > 1 and self.rank in src_col:
                 self.v_group.broadcast(buf, src)
                 self.collectives += 1
+                self._count(0 if self.rank == src else n, n * (len(src_col) - 1) if self.rank == src else 0)
             if len(self.mesh.rows[0]) > 1:
                 row = self.mesh.h_ranks(self.rank)
-                self.h_group.broadcast(buf, next(r for r in row if r in src_col))
+                root = next(r for r in row if r in src_col)
+                self.h_group.broadcast(buf, root)
                 self.collectives += 1
+                self._count(0 if self.rank == root else n, n * (len(row) - 1) if self.rank == root else 0)
         self.bytes_moved += item.nbytes
         return dest
 

@@ -231,12 +231,19 @@ class RetentionConfig:
             raise ConfigError("retention.metric", "is empty; name an evaluation metric such as eval_loss")
 
 
+SCHEDULES = ("routed", "seed")
+
+
 @dataclass
 class TopologyConfig:
     """How a multi-rank job assembles (meshes come from the job's hybrid topology)."""
 
     sharding_stage: Optional[int] = None
     """1/2: sharding replicas split the work; 3: sharding joins the mesh. None: from the trainer's args."""
+    schedule: str = "routed"
+    """``routed``: files placed where their bytes are, each missing byte sent once, point to point, to its
+    writer (docs/multi-rank.md); ``seed``: the reference schedule (broadcast down columns, all-gather along
+    rows: every rank of a mesh receives every slice), kept for comparison."""
     bucket_bytes: str = "2MB"
     """Per rank and collective: small slices are packed into one buffer up to this size; larger
     ones travel alone. Small buckets pipeline better (measured on CPU: 2MB 2.6x faster than
@@ -247,6 +254,7 @@ class TopologyConfig:
     def __post_init__(self):
         if self.sharding_stage is not None and (isinstance(self.sharding_stage, bool) or self.sharding_stage not in (1, 2, 3)):
             raise ConfigError("topology.sharding_stage", f"must be 1, 2 or 3 (or unset); got {self.sharding_stage!r}")
+        _check_choice("topology.schedule", self.schedule, SCHEDULES)
         _check_size("topology.bucket_bytes", self.bucket_bytes)
         _check_size("topology.memory_growth_threshold", self.memory_growth_threshold)
 

@@ -157,13 +157,20 @@ def build_export_plan(
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
     specs = list(specs)
     _validate_specs(specs)
-    metadata = {"format": "pt"} if metadata is None else metadata
-    ordered = sorted(specs, key=lambda t: natural_key(t.name))
+    return plan_from_groups(pack(specs, max_shard_size), max_shard_size, prefix=prefix, metadata=metadata)
 
+
+def pack(specs: Iterable[TensorSpec], max_shard_size: int) -> list:
+    """Tensors in natural name order, cut into consecutive groups of at most ``max_shard_size`` data bytes
+    (a larger tensor alone). Always at least one group.
+
+    >>> [[t.name for t in g] for g in pack([TensorSpec(n, (2,), "float32") for n in "abc"], 16)]
+    [['a', 'b'], ['c']]
+    """
     groups: list = []
     current: list = []
     current_bytes = 0
-    for t in ordered:
+    for t in sorted(specs, key=lambda t: natural_key(t.name)):
         nbytes = t.nbytes
         if current and current_bytes + nbytes > max_shard_size:
             groups.append(current)
@@ -172,7 +179,15 @@ def build_export_plan(
         current_bytes += nbytes
     if current or not groups:
         groups.append(current)
+    return groups
 
+
+def plan_from_groups(groups: Sequence[Sequence[TensorSpec]], max_shard_size: int, *, prefix: str = "model",
+                     metadata: "dict | None" = None) -> ExportPlan:
+    """The files of ``groups`` (one file each, in the order given): names, slots, headers."""
+    specs = [t for g in groups for t in g]
+    _validate_specs(specs)
+    metadata = {"format": "pt"} if metadata is None else metadata
     n = len(groups)
     files = []
     slots_by_name = {}

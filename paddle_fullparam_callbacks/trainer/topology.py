@@ -9,6 +9,7 @@ export.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 from ..export.session.distributed import DistContext, LocalContext
@@ -112,7 +113,30 @@ def build_context(args=None, sharding_stage: Optional[int] = None, expert_axes: 
                       h_group=made.get(tuple(h_ranks)) if len(h_ranks) > 1 else None,
                       v_group=made.get(tuple(v_ranks)) if len(v_ranks) > 1 else None)
     ctx.paddle_h_group, ctx.paddle_v_group = paddle_h, paddle_v
+    ctx.nodes = node_indices(ctx.world_group.all_gather_object(node_identity()))
     return ctx
+
+
+def node_identity() -> str:
+    """This process's node as the launcher tells it: ``paddle.distributed.launch`` runs one pod per node
+    (``POD_NAME``); else the host of this rank's endpoint; else the host name."""
+    import socket
+
+    pod = os.environ.get("POD_NAME")
+    if pod:
+        return f"pod:{pod}"
+    endpoint = os.environ.get("PADDLE_CURRENT_ENDPOINT", "")
+    return f"host:{endpoint.rsplit(':', 1)[0]}" if ":" in endpoint else f"host:{socket.gethostname()}"
+
+
+def node_indices(identities) -> tuple:
+    """Each rank's node as a small number, nodes numbered in the order of their first rank.
+
+    >>> node_indices(["pod:b", "pod:b", "pod:a", "pod:a"])
+    (0, 0, 1, 1)
+    """
+    seen: dict = {}
+    return tuple(seen.setdefault(x, len(seen)) for x in identities)
 
 
 def _check_same(what: str, paddle_ranks, plan_ranks) -> None:

@@ -55,7 +55,7 @@ def clean_metrics(metrics) -> dict:
 
 
 def build_manifest(*, name, step, reason, metrics, config, plan: ExportPlan, files: Dict[str, tuple], timings, framework, topology=None,
-                   model=None, run=None) -> dict:
+                   model=None, run=None, traffic=None) -> dict:
     total = sum(b for b, _ in files.values())
     return {
         "manifest_version": MANIFEST_VERSION,
@@ -76,6 +76,7 @@ def build_manifest(*, name, step, reason, metrics, config, plan: ExportPlan, fil
         "checksum": checksum.DEFAULT,
         "files": {n: {"bytes": b, checksum.DEFAULT: h} for n, (b, h) in sorted(files.items())},
         "topology": topology or {"world_size": 1, "meshes": [[0]]},
+        **({"traffic": traffic} if traffic else {}),
         "timings": {k: round(v, 6) for k, v in timings.items()},
         "versions": versions(),
     }

@@ -23,6 +23,7 @@ class LocalContext:
     topology: TopologyPlan = field(default_factory=lambda: plan_topology([("data", 1)]))
     h_group: Any = None
     v_group: Any = None
+    nodes: tuple = ()  # rank -> the index of its node (the launcher's pod), numbered by first rank; () = one node
     watchdog: Any = None  # export.timeout_s: a Watchdog wrapping every collective (several ranks only)
 
     @property

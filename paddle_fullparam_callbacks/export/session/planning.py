@@ -13,9 +13,12 @@ from typing import Dict, List, Optional
 from ... import _faults
 from ...assemble.device import on_device
 from ...assemble.mapping import DestinationMap, MappingError, apply_export_dtype, build_destination_map, padding_destinations
-from ...assemble.mesh import records_from_state_dict, shard_info_from_records, validate_records
+from ...assemble.mesh import BCAST_CHUNK_BYTES, records_from_state_dict, shard_info_from_records, validate_records
+from ...assemble.routed import holdings_of, needs_of
 from ...config.schema import FullParamConfig
 from ...plan.export_plan import ExportPlan, build_export_plan
+from ...plan.placement import plan_placement
+from ...plan.routing import RoutePlan, plan_routes
 from ...plan.topology import WritePlan, plan_writes
 from ..source import ExportError, ModelSource
 
@@ -29,6 +32,9 @@ class PreparedExport:
     order: List[str]  # destination names in file order
     writes: WritePlan
     zero_rows: Dict[str, int] = field(default_factory=dict)  # destination -> row written as zeros
+    routes: Optional[RoutePlan] = None  # topology.schedule=routed, a mesh of several ranks: this mesh's moves
+    balance: float = 1.0  # the largest writer's bytes / the mean
+    balance_note: str = ""
 
 
 def digest(obj) -> str:
@@ -99,11 +105,25 @@ def plan_export(ctx, config: FullParamConfig, source: ModelSource, sd: Optional[
             source.check_mapping(dmap)
         zero_rows = padding_destinations(dmap, padding_rows)
         specs = apply_export_dtype(dmap.specs, config.export.dtype)
-        plan = build_export_plan(specs, config.export.max_shard_bytes)
-        order = [s.name for f in plan.files for s in sorted(f.slots, key=lambda s: s.begin)]
-        writes = plan_writes(ctx.topology, [f.total_bytes for f in plan.files])
-        prepared = PreparedExport(world_sig, records, dmap, plan, order, writes, zero_rows)
-        plan_digest = digest([(f.name, f.header) for f in plan.files])
+        routes, balance, note = None, 1.0, ""
+        if config.topology.schedule == "routed" and not from_files and ctx.world_size > 1:
+            needs, holdings = needs_of(dmap, [s.name for s in specs]), holdings_of(records)
+            placed = plan_placement(specs, needs, holdings, ctx.topology, ctx.mesh.index,
+                                    config.export.max_shard_bytes, dict(enumerate(ctx.nodes)))
+            plan, writes, balance, note = placed.plan, placed.writes, placed.balance, placed.note
+            order = [s.name for f in plan.files for s in sorted(f.slots, key=lambda s: s.begin)]
+            if ctx.mesh.size > 1:
+                mine = set(writes.files_of_mesh(ctx.mesh.index))
+                mesh_order = [n for n in order if plan.slots[n].file_index in mine]
+                routes = plan_routes(mesh_order, {n: writes.file_writer[plan.slots[n].file_index] for n in mesh_order},
+                                     needs, holdings, dict(enumerate(ctx.nodes)),
+                                     config.topology.bucket_for(1), BCAST_CHUNK_BYTES)
+        else:
+            plan = build_export_plan(specs, config.export.max_shard_bytes)
+            order = [s.name for f in plan.files for s in sorted(f.slots, key=lambda s: s.begin)]
+            writes = plan_writes(ctx.topology, [f.total_bytes for f in plan.files])
+        prepared = PreparedExport(world_sig, records, dmap, plan, order, writes, zero_rows, routes, balance, note)
+        plan_digest = digest([[(f.name, f.header) for f in plan.files], writes])
     except Exception as e:  # reported on every rank below, never raised alone
         error = f"{type(e).__name__}: {e}"
     # every rank must hold the same plan: a rank alone in a collective would hang

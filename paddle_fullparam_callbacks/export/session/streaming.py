@@ -15,6 +15,7 @@ from ...assemble.device import DeviceBoundary
 from ...assemble.local import LocalAssembler
 from ...assemble.mapping import MappingError
 from ...assemble.mesh import MeshAssembler
+from ...assemble.routed import RoutedAssembler
 from ...config.schema import FullParamConfig
 from ..source import ModelSource
 from .planning import PreparedExport
@@ -23,11 +24,12 @@ logger = logging.getLogger("paddle_fullparam_callbacks")
 
 
 def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: ModelSource,
-                   targets: List[str], keep: set, room=None, boundary: Optional[DeviceBoundary] = None
-                   ) -> Iterator[Tuple[str, np.ndarray]]:
+                   targets: List[str], keep: set, room=None, boundary: Optional[DeviceBoundary] = None,
+                   traffic: Optional[dict] = None) -> Iterator[Tuple[str, np.ndarray]]:
     """``room(nbytes)``: waits until the writer can take a tensor that large (file sources only: a live
     model's tensors exist already, a file's are read on demand). ``boundary``: where a live model's
-    slices leave the device (``export.device_memory_budget``)."""
+    slices leave the device (``export.device_memory_budget``). ``traffic``: filled with what this rank sent
+    and received (bytes; the routed and seed schedules)."""
     boundary = boundary or DeviceBoundary(config.export.device_budget)
     mapped = config.export.format != "paddle_safetensors"
     if source.tensors is not None:  # slices in files (convert): read and assembled here, no communication
@@ -63,28 +65,49 @@ def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: 
         yield from LocalAssembler(sd, p.dmap, config.export.dtype, source.local_transforms, boundary).run(
             [n for n in targets if n in keep])
         return
-    asm = MeshAssembler(sd, p.records, p.dmap, targets, keep, ctx.mesh, ctx.rank, ctx.h_group, ctx.v_group,
-                        config.export.dtype, config.topology.bucket_for(ctx.mesh.size), source.local_transforms,
-                        boundary)
-    _check_replicas(ctx, asm)
-    yield from asm.run()
+    if p.routes is not None:
+        asm = RoutedAssembler(sd, p.dmap, p.routes, [n for n in targets if n in keep], ctx.rank, ctx.world_group,
+                              config.export.dtype, source.local_transforms, boundary, dict(enumerate(ctx.nodes)),
+                              {r.key: r.dtype for r in p.records})
+        _check_replicas(ctx, replica_digests(p.records, ctx.rank, asm.local_bytes))
+    else:
+        asm = MeshAssembler(sd, p.records, p.dmap, targets, keep, ctx.mesh, ctx.rank, ctx.h_group, ctx.v_group,
+                            config.export.dtype, config.topology.bucket_for(ctx.mesh.size), source.local_transforms,
+                            boundary)
+        _check_replicas(ctx, replica_digests(p.records, ctx.rank, asm.whole_local_bytes))
+    try:
+        yield from asm.run()
+    finally:
+        if traffic is not None:
+            traffic.update(asm.stats)
     if asm.errors:
         raise MappingError(asm.errors[0])
 
 
-def _check_replicas(ctx, asm: MeshAssembler) -> None:
-    """Replicas inside the mesh must agree before the lowest rank's copy stands for all."""
-    held = ctx.mesh_gather_object(asm.replica_digests(), "assembly: replica digests")
-    merged: Dict[int, Dict[str, int]] = {}
-    for r, digests in zip(ctx.mesh.ranks_in_gather_order(), held):
-        for item_id, d in digests.items():
-            merged.setdefault(item_id, {}).setdefault(d, r)
-    for item_id, by_digest in sorted(merged.items()):
+def replica_digests(records, rank: int, local_bytes) -> Dict[tuple, str]:
+    """sha256 of this rank's copy of every slice that several ranks of its mesh hold (replicas), by
+    (key, offset, shape); ``local_bytes(key)``: this rank's slice as flat host bytes."""
+    import hashlib
+
+    holders: Dict[tuple, set] = {}
+    for r in records:
+        holders.setdefault((r.key, tuple(r.offset), tuple(r.shape)), set()).add(r.rank)
+    return {ident: hashlib.sha256(memoryview(local_bytes(ident[0]))).hexdigest()[:32]
+            for ident, ranks in sorted(holders.items()) if len(ranks) > 1 and rank in ranks}
+
+
+def _check_replicas(ctx, digests: Dict[tuple, str]) -> None:
+    """Replicas inside the mesh must agree before one holder's copy stands for all."""
+    held = ctx.mesh_gather_object(digests, "assembly: replica digests")
+    merged: Dict[tuple, Dict[str, int]] = {}
+    for r, per_rank in zip(ctx.mesh.ranks_in_gather_order(), held):
+        for ident, d in per_rank.items():
+            merged.setdefault(ident, {}).setdefault(d, r)
+    for (key, offset, _), by_digest in sorted(merged.items()):
         if len(by_digest) > 1:
-            it = asm.items[item_id]
             raise MappingError(
-                f"parameter {it.key!r}: ranks {sorted(by_digest.values())} hold the same slice at "
-                f"{list(it.offset)} with different values (replicas out of sync)"
+                f"parameter {key!r}: ranks {sorted(by_digest.values())} hold the same slice at "
+                f"{list(offset)} with different values (replicas out of sync)"
             )
 
 
