@@ -97,6 +97,8 @@ class HostGroup:
         """``buf`` (1-D uint8, C-contiguous) to global rank ``dst``, which calls ``recv`` with a buffer of the
         same size. Blocks until ``dst`` has received it (gloo's send waits for the receiver)."""
         if buf.nbytes:
+            if not buf.flags.writeable:  # DLPack cannot carry a read-only flag (a CPU parameter's memory may be one)
+                buf = buf.copy()
             self._pair_ready(self.rank, dst)
             self.pg.send(_tensor(buf), self.ranks.index(dst), True).wait()
 

@@ -344,6 +344,11 @@ class MeshAssembler:
         return dest
 
     # ---- assembly --------------------------------------------------------------------------
+    def _count(self, received: int, sent: int) -> None:
+        self.stats["received"] += received
+        self.stats["sent"] += sent
+        self.stats["packets"] += 1
+
     def _accept(self, item: ReadItem, flat: Optional[np.ndarray], copy: bool) -> None:
         """Keep ``item``'s bytes if a destination of this rank needs them (``copy``: out of a round's
         buffer, so the small slices of a round do not keep the whole round's buffer alive)."""

@@ -8,7 +8,8 @@ the last one, the packets it still has to send. A piece leaves this rank's devic
 or written (``device.py``'s boundary, within ``export.device_memory_budget``); a received piece is held
 until the last destination reading it has been yielded.
 
-The moves run over the export's world group (``HostGroup.send``/``recv``: gloo's point-to-point, which
+The moves run over two-rank gloo groups, one per pair of ranks that exchange bytes (``groups``: made on
+first use, in one global order; ``trainer/host_groups.PairGroups`` says why) (``HostGroup.send``/``recv``: gloo's point-to-point, which
 Paddle 3.3.1 implements; it has no all-to-all), one packet at a time: a gloo send blocks until its
 receiver takes it, and the plan's single global order makes that deadlock-free.
 
@@ -53,16 +54,17 @@ class RoutedAssembler:
         sharded_state_dict: this rank's shards; ``source_dtypes``: source key -> Paddle dtype name (every key
             a move carries).
         plan: the route plan (every rank of the job computes the same one).
-        group: a ``HostGroup`` holding every rank this rank exchanges packets with (the world group).
+        groups: ``get(peer)`` -> the ``HostGroup`` of this rank and ``peer``; ``prepare(pairs)`` makes those
+            the plan needs (``trainer/host_groups.PairGroups``).
         node_of: rank -> node, for the cross-node counts.
         transforms: source key -> fn(host array, dtype) -> the array to export (a LoRA merge).
     """
 
     def __init__(self, sharded_state_dict, dmap: DestinationMap, plan: RoutePlan, keep: Sequence[str], rank: int,
-                 group=None, export_dtype: str = "keep", transforms=None, boundary: Optional[DeviceBoundary] = None,
+                 groups=None, export_dtype: str = "keep", transforms=None, boundary: Optional[DeviceBoundary] = None,
                  node_of: Optional[Mapping[int, object]] = None, source_dtypes: Mapping[str, str] = ()):
         self.sd = sharded_state_dict
-        self.dmap, self.plan, self.rank, self.group = dmap, plan, rank, group
+        self.dmap, self.plan, self.rank, self.groups = dmap, plan, rank, groups
         self.keep = list(keep)
         self.export_dtype = export_dtype
         self.transforms = dict(transforms or {})
@@ -148,14 +150,14 @@ class RoutedAssembler:
             if p.chunk[1] == m.nbytes:
                 self._outgoing = (-1, None)
                 self._done_with(m.key)
-        self.group.send(buf, p.dst)
+        self.groups.get(p.dst).send(buf, p.dst)
         self._count(p, "sent")
 
     def _recv(self, p: Packet) -> List[int]:
         """Returns the ids of the moves completed by this packet."""
         if p.chunk is None:
             buf = np.empty(p.nbytes, np.uint8)
-            self.group.recv(buf, p.src)
+            self.groups.get(p.src).recv(buf, p.src)
             self._count(p, "received")
             off = 0
             for i in p.moves:
@@ -168,7 +170,7 @@ class RoutedAssembler:
         flat = self._partial.get(i)
         if flat is None:
             flat = self._partial[i] = np.empty(m.nbytes, np.uint8)
-        self.group.recv(flat[p.chunk[0]:p.chunk[1]], p.src)
+        self.groups.get(p.src).recv(flat[p.chunk[0]:p.chunk[1]], p.src)
         self._count(p, "received")
         if p.chunk[1] < m.nbytes:
             return []
@@ -242,6 +244,8 @@ class RoutedAssembler:
                     self._arrived[key].remove(i)
 
     def run(self) -> Iterator[Tuple[str, np.ndarray]]:
+        if self.packets:
+            self.groups.prepare(sorted({(p.src, p.dst) for p in self.plan.packets}))
         for name in self.keep:
             while self._missing.get(name, 0) > 0:
                 if self._next >= len(self.packets):

@@ -4,9 +4,11 @@ OpenBLAS (numpy's wheels bundle it) runs a large product on as many threads as t
 and its threads keep spinning for a while after each call, waiting for the next: beside the export's
 own workers they take the cores the workers need (measured on 2 cores: a merged LoRA export used 1.5
 CPU-seconds instead of 1.1). The workers already run side by side, so each product runs on the thread
-that asks for it. The thread count does not change a product's bits (OpenBLAS splits the output, never
-the sum of an element; ``tests/unit/test_lora.py`` checks it). The library is found among those loaded
-(like threadpoolctl does); with another BLAS, or none found, nothing changes.
+that asks for it. This is for speed only: OpenBLAS's thread count (and its kernel, and how a product is
+cut into blocks) does change a float32 product's bits (seen on an AMD EPYC, issue 30), so no result of
+the package depends on them (``models/lora/product.py`` rounds every LoRA product by one rule). The
+library is found among those loaded (like threadpoolctl does); with another BLAS, or none found,
+nothing changes.
 """
 from __future__ import annotations
 

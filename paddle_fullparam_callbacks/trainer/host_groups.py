@@ -22,13 +22,14 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..assemble.host_group import HostGroup
 
 _GROUP_ID_BASE = 7_000_000  # far from Paddle's own ring ids (its comm contexts are keyed by them)
 _TIMEOUT_S = 900  # to form a group (every member connects to its store); ready() polls and never waits in the store
-_cache: Dict[Tuple[int, ...], HostGroup] = {}
+_cache: Dict[Tuple[str, Tuple[int, ...]], HostGroup] = {}
 _created = [0]  # groups this process has walked through (the same count on every rank)
 
 
@@ -68,10 +69,10 @@ def _group_store(ranks: Tuple[int, ...], rank: int, key: str):
     return core.TCPStore(host, int(port), False, len(ranks), _TIMEOUT_S)
 
 
-def create_host_groups(groups: Sequence[Sequence[int]], rank: int) -> List[Optional[HostGroup]]:
+def create_host_groups(groups: Sequence[Sequence[int]], rank: int, purpose: str = "") -> List[Optional[HostGroup]]:
     """One ``HostGroup`` per entry of ``groups`` (global ranks in group order), None where this rank is
     not a member or the group has one rank. Collective: every rank of the job calls it with the same
-    ``groups``, in the same order."""
+    ``groups``, in the same order. ``purpose``: groups of the same ranks for another use are other groups."""
     from paddle.base import core
 
     out: List[Optional[HostGroup]] = []
@@ -81,13 +82,13 @@ def create_host_groups(groups: Sequence[Sequence[int]], rank: int) -> List[Optio
         if len(ranks) < 2 or rank not in ranks:
             out.append(None)
             continue
-        if ranks in _cache:
-            out.append(_cache[ranks])
+        if (purpose, ranks) in _cache:
+            out.append(_cache[(purpose, ranks)])
             continue
         store = _group_store(ranks, rank, f"paddle_fullparam/export_group/{_created[0]}")
         pg = core.ProcessGroupGloo.create(store, ranks.index(rank), len(ranks), _GROUP_ID_BASE + _created[0])
         group = HostGroup(pg, ranks, rank, store)  # (the process group needs its store for its whole life)
-        _cache[ranks] = group
+        _cache[(purpose, ranks)] = group
         out.append(group)
     return out
 
@@ -124,3 +125,48 @@ def fresh_store_per_gloo_group():
 
 
 _stores: list = []
+
+_PAIR_ID_BASE = 7_500_000
+
+
+class PairGroups:
+    """Two-rank gloo groups for the routed assembler's point-to-point transfers, one per pair of ranks that
+    exchange bytes, made the first time an export's plan needs them and kept for the job.
+
+    Why a group per pair: Paddle 3.3.1's ``ProcessGroupGloo`` tags every operation, sends and receives
+    included, with a per-group counter (``next_tag()`` in ``process_group_gloo.cc``), so a send and its
+    receive match only when both ranks have made the same number of operations on that group. On a group
+    shared by more ranks they have not (measured with 4 ranks: a TIMEOUT in the transfer, or in the next
+    all-gather); on a pair's own group every operation is a transfer between those two, in the same
+    order on both. Made only among its two members (not a job-wide collective), in one global order of
+    pairs that every rank derives from the plan, so the earliest pair not yet made always has both
+    members waiting for it; the two meet in the job's store first, so a late member is not bound by
+    gloo's 30 s connect timeout."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.groups: Dict[int, HostGroup] = {}
+
+    def prepare(self, pairs: Sequence[Tuple[int, int]]) -> None:
+        """Make the groups of ``pairs`` (every pair the plan uses, the same list on every rank) that include
+        this rank and do not exist yet, in sorted order."""
+        for a, b in sorted({(min(p), max(p)) for p in pairs}):
+            if self.rank in (a, b) and a != b:
+                self.get(b if self.rank == a else a)
+
+    def get(self, peer: int) -> HostGroup:
+        group = self.groups.get(peer)
+        if group is None:
+            from paddle.base import core
+            from paddle.distributed import collective
+
+            a, b = min(self.rank, peer), max(self.rank, peer)
+            key = f"paddle_fullparam/pair/{a}-{b}"
+            job_store = collective._default_store
+            job_store.add(f"{key}/meet", 1)  # both members here before gloo's connect (30 s) starts
+            while int(job_store.add(f"{key}/meet", 0)) < 2:
+                time.sleep(0.01)
+            store = _group_store((a, b), self.rank, key)
+            pg = core.ProcessGroupGloo.create(store, (a, b).index(self.rank), 2, _PAIR_ID_BASE + a * self.world_size + b)
+            group = self.groups[peer] = HostGroup(pg, (a, b), self.rank, store)
+        return group

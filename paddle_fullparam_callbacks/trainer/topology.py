@@ -15,7 +15,7 @@ from typing import Optional
 from ..export.session.distributed import DistContext, LocalContext
 from ..models.fleet import model_config
 from ..plan.topology import TopologyPlan, plan_topology
-from .host_groups import create_host_groups
+from .host_groups import PairGroups, create_host_groups
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 
@@ -113,6 +113,7 @@ def build_context(args=None, sharding_stage: Optional[int] = None, expert_axes: 
                       h_group=made.get(tuple(h_ranks)) if len(h_ranks) > 1 else None,
                       v_group=made.get(tuple(v_ranks)) if len(v_ranks) > 1 else None)
     ctx.paddle_h_group, ctx.paddle_v_group = paddle_h, paddle_v
+    ctx.pair_groups = PairGroups(rank, world)  # the routed schedule's transfers: a gloo group per pair, on demand
     ctx.nodes = node_indices(ctx.world_group.all_gather_object(node_identity()))
     return ctx
 

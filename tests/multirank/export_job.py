@@ -7,7 +7,7 @@ Fires the trainer's own callback events (PaddleFormers ``CallbackHandler``) at s
 optimizer step would (``harness.perturb``) and every rank dumps its shards to
 ``DIR/dump/step-N`` so that the test can rebuild the full tensors with plain numpy. With
 ``--paddle`` a second callback exports the same steps with ``assembler: paddle`` into
-``DIR/paddle``. Prints ``EXPORT {json}`` per rank (decisions, files written, collectives).
+``DIR/paddle``; with ``--seed``, one with ``topology.schedule: seed`` into ``DIR/seed``. Prints ``EXPORT {json}`` per rank (decisions, files written, collectives).
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def main():
         ap.add_argument(f"--{a}", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--paddle", action="store_true", help="also export with assembler=paddle")
+    ap.add_argument("--seed", action="store_true", help="also export with topology.schedule=seed (into DIR/seed)")
     ap.add_argument("--dtype", default="keep")
     ap.add_argument("--bucket", default="2MB", help="topology.bucket_bytes: small forces many rounds and broadcasts")
     ap.add_argument("--param-dtype", default="float32", help="dtype of the model's parameters (bfloat16: bf16 training)")
@@ -70,6 +71,9 @@ def main():
     callbacks = [FullParamExportCallback(None, overrides=[f"output_dir={ns.out}/builtin", *common])]
     if ns.paddle:
         callbacks.append(FullParamExportCallback(None, overrides=[f"output_dir={ns.out}/paddle", "assembler=paddle", *common]))
+    if ns.seed:
+        callbacks.append(FullParamExportCallback(None, overrides=[f"output_dir={ns.out}/seed", "topology.schedule=seed",
+                                                                  *common]))
     handler = CallbackHandler(callbacks, model, None, None, None)
     args = types.SimpleNamespace(output_dir=ns.out)
     state, control = TrainerState(), TrainerControl()

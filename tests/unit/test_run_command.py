@@ -61,7 +61,7 @@ def test_bad_input_is_refused_before_command_starts(tmp_path, args, env, code, m
     assert message.replace("{file}", str(afile)) in proc.stderr, proc.stderr
     assert proc.stderr.strip().endswith("nothing was started") and proc.stderr.count("\n") == 1, proc.stderr
     assert not marker.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing written
-    assert seconds < 10
+    assert seconds < 60  # a hang guard only (a refusal takes ~1 s idle, 4-6 s on a loaded 2-core machine)
 
 
 @pytest.mark.parametrize("args,code,message", [

@@ -394,9 +394,11 @@ def test_any_number_of_workers_writes_the_same_bytes_lazy_arrays_included(tmp_pa
     assert digests[0] == digests[1] == digests[2]
 
 
-def test_pool_size_rule_and_batches():
+def test_pool_size_rule_and_batches(monkeypatch):
     from paddle_fullparam_callbacks.host import pool
 
+    for var in ("PADDLE_LOCAL_SIZE", "LOCAL_WORLD_SIZE"):  # the suite may itself run under a launcher
+        monkeypatch.delenv(var, raising=False)
     assert pool.local_ranks({"PADDLE_LOCAL_SIZE": "4"}) == 4 and pool.local_ranks({"PADDLE_LOCAL_SIZE": "x"}) == 1
     assert pool.default_threads({"PADDLE_LOCAL_SIZE": str(10 * pool.usable_cores())}) == 1  # never 0
     assert pool.default_threads({}) == pool.usable_cores() == pool.resolve_threads("auto")

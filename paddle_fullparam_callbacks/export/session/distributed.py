@@ -59,6 +59,7 @@ class DistContext(LocalContext):
     where the mesh has a single column/row)."""
 
     world_group: Any = None
+    pair_groups: Any = None  # the routed schedule's transfers: a two-rank group per peer (trainer/host_groups.py)
     # Paddle's own mp / pp groups (even of one rank), for assembler=paddle, whose HV path needs both
     paddle_h_group: Any = None
     paddle_v_group: Any = None

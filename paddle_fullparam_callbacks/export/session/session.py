@@ -259,12 +259,13 @@ class ExportSession:
             # commits there too; with several ranks the commit needs collectives, so the next
             # export / wait_pending() does it on the training thread)
             job.thread = threading.Thread(target=self._background, args=(job,), name="pfc-commit", daemon=True)
+            # the stall ends here, and is set before the background thread (which records it) can run
+            stall = job.stall_s = time.perf_counter() - t0
             job.thread.start()
             self._pending = job
             if not self._atexit_registered:
                 atexit.register(self._wait_at_exit)
                 self._atexit_registered = True
-            stall = job.stall_s = time.perf_counter() - t0
             return SnapshotInfo(name, step, out_dir / name, 0, 0, p.plan.num_tensors, stall,
                                 {"stall_s": stall}, reason, pending=True, stall_s=stall)
         finish_local(job, ctx.rank)
@@ -293,6 +294,7 @@ class ExportSession:
                             job.error = f"{type(e).__name__}: {e}"
                     tensor = None  # not held while the next one is read (the writer keeps what it still needs)
         except Exception as e:
+            logger.debug("rank %d: assembly failed", self.ctx.rank, exc_info=True)  # where, for a developer
             job.error = job.error or f"{type(e).__name__}: {e}"
         finally:
             progress.close()

@@ -66,20 +66,24 @@ def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: 
             [n for n in targets if n in keep])
         return
     if p.routes is not None:
-        asm = RoutedAssembler(sd, p.dmap, p.routes, [n for n in targets if n in keep], ctx.rank, ctx.world_group,
+        asm = RoutedAssembler(sd, p.dmap, p.routes, [n for n in targets if n in keep], ctx.rank, ctx.pair_groups,
                               config.export.dtype, source.local_transforms, boundary, dict(enumerate(ctx.nodes)),
                               {r.key: r.dtype for r in p.records})
-        _check_replicas(ctx, replica_digests(p.records, ctx.rank, asm.local_bytes))
+        _check_replicas(ctx, lambda: replica_digests(p.records, ctx.rank, asm.local_bytes))
     else:
         asm = MeshAssembler(sd, p.records, p.dmap, targets, keep, ctx.mesh, ctx.rank, ctx.h_group, ctx.v_group,
                             config.export.dtype, config.topology.bucket_for(ctx.mesh.size), source.local_transforms,
                             boundary)
-        _check_replicas(ctx, replica_digests(p.records, ctx.rank, asm.whole_local_bytes))
+        _check_replicas(ctx, lambda: replica_digests(p.records, ctx.rank, asm.whole_local_bytes))
     try:
         yield from asm.run()
     finally:
         if traffic is not None:
             traffic.update(asm.stats)
+            if p.routes is not None:  # beside what it did, what the plan said it would do
+                planned = p.routes.traffic.get(ctx.rank)
+                traffic["predicted_received"] = planned.received if planned else 0
+                traffic["predicted_sent"] = planned.sent if planned else 0
     if asm.errors:
         raise MappingError(asm.errors[0])
 
@@ -96,11 +100,20 @@ def replica_digests(records, rank: int, local_bytes) -> Dict[tuple, str]:
             for ident, ranks in sorted(holders.items()) if len(ranks) > 1 and rank in ranks}
 
 
-def _check_replicas(ctx, digests: Dict[tuple, str]) -> None:
-    """Replicas inside the mesh must agree before one holder's copy stands for all."""
-    held = ctx.mesh_gather_object(digests, "assembly: replica digests")
+def _check_replicas(ctx, digests) -> None:
+    """Replicas inside the mesh must agree before one holder's copy stands for all. ``digests()``: this rank's
+    (an error in it is shared, not raised alone: every rank of the mesh is in the exchange)."""
+    try:
+        mine, error = digests(), None
+    except Exception as e:
+        logger.debug("rank %d: replica digests failed", ctx.rank, exc_info=True)
+        mine, error = {}, f"{type(e).__name__}: {e}"
+    held = ctx.mesh_gather_object((mine, error), "assembly: replica digests")
+    failed = [(r, e) for r, (_, e) in zip(ctx.mesh.ranks_in_gather_order(), held) if e]
+    if failed:
+        raise MappingError(f"rank {failed[0][0]} could not read its replicated slices: {failed[0][1]}")
     merged: Dict[tuple, Dict[str, int]] = {}
-    for r, per_rank in zip(ctx.mesh.ranks_in_gather_order(), held):
+    for r, (per_rank, _) in zip(ctx.mesh.ranks_in_gather_order(), held):
         for ident, d in per_rank.items():
             merged.setdefault(ident, {}).setdefault(d, r)
     for (key, offset, _), by_digest in sorted(merged.items()):
