@@ -149,6 +149,8 @@ def _cmd_plan(ns) -> int:
     except ValueError as e:
         print(f"paddle-fullparam plan: {e}", file=sys.stderr)
         return 2
+    if ns.model:
+        return _print_prediction(ns, topo)
     sizes = [1] * ns.files
     writes = plan_writes(topo, sizes)
     out = topo.as_dict()
@@ -166,6 +168,70 @@ def _cmd_plan(ns) -> int:
         print(f"  mesh {m.index}: rows {[list(r) for r in m.rows]}  files {files}")
     for r, fs in sorted(writes.writers().items()):
         print(f"  rank {r} writes files {fs}")
+    return 0
+
+
+def _model_shapes(spec: str):
+    """(name -> shape, dtype) from a named model, a config.json, or a model.safetensors.index.json with its files."""
+    from pathlib import Path
+
+    from ..plan.model_shapes import decoder_shapes, preset
+
+    path = Path(spec)
+    if not path.exists():
+        return preset(spec)
+    if path.is_dir():
+        path = next((path / n for n in ("model.safetensors.index.json", "config.json") if (path / n).exists()), path)
+    data = json.loads(path.read_text())
+    if "weight_map" not in data:
+        return decoder_shapes(data)
+    from .. import _dtypes
+    from ..export.write.header import read_header
+
+    shapes, dtypes = {}, set()
+    for f in sorted(set(data["weight_map"].values())):
+        if not (path.parent / f).exists():
+            raise ValueError(f"{path}: the index names no shapes, and its file {f} is not beside it to read them from")
+        _, entries, _ = read_header(path.parent / f)
+        for name, entry in entries.items():
+            shapes[name] = tuple(entry.shape)
+            dtypes.add(entry.dtype)
+    return shapes, _dtypes.BY_ST_CODE[sorted(dtypes)[0]].name if dtypes else "bfloat16"
+
+
+def _print_prediction(ns, topo) -> int:
+    from ..config.sizes import parse_size
+    from ..plan.prediction import predict
+
+    try:
+        shapes, dtype = _model_shapes(ns.model)
+        nodes = {r: r // ns.ranks_per_node for r in range(topo.world_size)}
+        out = predict(shapes, ns.dtype or dtype, topo, parse_size(ns.max_shard_size), nodes)
+    except (ValueError, OSError, KeyError) as e:
+        print(f"paddle-fullparam plan: {e}", file=sys.stderr)
+        return 2
+    if ns.json:
+        print(json.dumps({**topo.as_dict(), **out}))
+        return 0
+    gb = lambda n: f"{n / 1e9:.2f}"  # noqa: E731
+    snap, ranks = out["snapshot_bytes"], out["ranks"]
+    print(f"{ns.model}: {len(shapes)} tensors, {gb(snap)} GB ({ns.dtype or dtype}) in {out['files']} files of at most "
+          f"{ns.max_shard_size}; world size {topo.world_size}: " + " x ".join(f"{n}={d}" for n, d in topo.axes if d > 1)
+          + f", {ns.ranks_per_node} ranks per node")
+    print("GB per rank   node  writes  receives (in node + across)  sends  floor  | seed schedule receives")
+    for r, t in ranks.items():
+        inside = t.get("received", 0) - t.get("received_cross_node", 0)
+        print(f"  rank {r:<5} {out['nodes'][r]:>5}  {gb(t.get('writes', 0)):>6}  {gb(t.get('received', 0)):>8} "
+              f"({gb(inside)} + {gb(t.get('received_cross_node', 0))})  {gb(t.get('sent', 0)):>10}  "
+              f"{gb(t.get('floor', 0)):>5}  | {gb(t.get('seed_received', 0)):>6}")
+    total = lambda k: sum(t.get(k, 0) for t in ranks.values())  # noqa: E731
+    most = max(t.get("received", 0) for t in ranks.values())
+    print(f"in all: received {gb(total('received'))} GB ({total('received') / snap:.2f}x the snapshot; the floor "
+          f"{gb(total('floor'))} GB), across nodes {gb(total('received_cross_node'))} GB; most into one rank "
+          f"{gb(most)} GB; seed schedule {gb(total('seed_received'))} GB ({total('seed_received') / snap:.2f}x), most "
+          f"into one rank {gb(max(t.get('seed_received', 0) for t in ranks.values()))} GB")
+    print(f"writers' balance: the largest writes {out['balance']:.2f}x the mean"
+          + (f" ({out['balance_note']})" if out["balance_note"] else ""))
     return 0
 
 
@@ -296,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP + "; e.g. publish.endpoint_url=...")
     pu.set_defaults(func=_cmd_publish)
 
-    text = "print the meshes and writers of a hybrid-parallel topology (nothing is launched)"
+    text = ("print the meshes and writers of a hybrid-parallel topology, and with --model the bytes each rank will "
+            "write, receive and send (nothing is launched)")
     pl = sub.add_parser("plan", help=text, description=text + ".")
     for flag, helptext in (("--dp", "data parallel degree"), ("--sharding", "sharding degree"), ("--pp", "pipeline degree"),
                            ("--mp", "tensor (model) parallel degree"), ("--sep", "sequence/context parallel degree")):
@@ -308,6 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--sharding-stage", type=int, choices=(1, 2, 3), default=1,
                     help="1 or 2: sharding replicas split the work; 3: sharding joins the mesh (default 1)")
     pl.add_argument("--files", type=_count(1), default=8, help="number of shard files to assign to writers (default 8)")
+    pl.add_argument("--model", help="predict each rank's bytes for this model: a name (Llama-2-7B, Llama-2-70B, "
+                                    "Llama-3-8B, Mixtral-8x7B, ...), a config.json, or a model.safetensors.index.json "
+                                    "with its files")
+    pl.add_argument("--ranks-per-node", type=_count(1), default=8, help="with --model: ranks of a node, consecutive "
+                                                                         "(as launchers place them; default 8)")
+    pl.add_argument("--max-shard-size", default="5GB", help="with --model: export.max_shard_size (default 5GB)")
+    pl.add_argument("--dtype", help="with --model: the snapshot's dtype (default the model's)")
     pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     pl.set_defaults(func=_cmd_plan)
 

@@ -249,3 +249,69 @@ def test_placement_says_why_writers_are_unbalanced():
     placed = plan_placement(*lay.identity(), lay.holdings, topo, 0, 10**9)
     assert len(placed.plan.files) < 4 and placed.balance > placement.BALANCE_LIMIT
     assert "file(s) for 4 ranks" in placed.note
+
+
+# ---- predictions before a job (plan/prediction.py, `paddle-fullparam plan --model`) ---------------------
+
+from paddle_fullparam_callbacks.plan import model_shapes, prediction  # noqa: E402
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, torch_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("module", [model_shapes, prediction])
+def test_prediction_doctests(module):
+    assert doctest.testmod(module).failed == 0
+
+
+def test_the_layout_holds_every_tensor_once_per_replica_and_splits_linears_over_the_row():
+    shapes, dtype = model_shapes.decoder_shapes(SMALL)
+    topo = plan_topology([("pipe", 2), ("model", 2)])
+    held = prediction.job_holdings(shapes, dtype, topo)
+    for name, shape in shapes.items():  # the distinct boxes of a tensor tile it
+        boxes_ = {(h.offset, h.shape) for h in held if h.key == name}
+        assert sum(math.prod(s) for _, s in boxes_) == math.prod(shape), name
+    q = [h for h in held if h.key == "model.layers.3.self_attn.q_proj.weight"]
+    assert sorted(h.rank for h in q) == [2, 3] and {h.shape for h in q} == {(32, 64)}  # stage 1, split on out
+    o = [h for h in held if h.key == "model.layers.0.self_attn.o_proj.weight"]
+    assert sorted(h.rank for h in o) == [0, 1] and {h.shape for h in o} == {(64, 32)}  # row-parallel: on in
+    assert sorted(h.rank for h in held if h.key == "model.norm.weight") == [2, 3]  # replicated on the last stage
+
+
+def test_the_prediction_is_the_floor_and_far_below_the_seed_schedule():
+    shapes, dtype = model_shapes.decoder_shapes(SMALL)
+    out = prediction.predict(shapes, dtype, plan_topology([("pipe", 2), ("model", 2)]), 20_000, {0: 0, 1: 0, 2: 1, 3: 1})
+    ranks = out["ranks"]
+    assert all(t.get("received", 0) == t.get("floor", 0) <= t.get("writes", 0) for t in ranks.values())
+    received = sum(t.get("received", 0) for t in ranks.values())
+    assert 0.4 * out["snapshot_bytes"] < received <= 0.6 * out["snapshot_bytes"]  # mp2: about half moves
+    assert sum(t.get("received_cross_node", 0) for t in ranks.values()) == 0  # stages on their own nodes
+    assert all(t["seed_received"] > 1.5 * t.get("received", 0) for t in ranks.values())
+
+
+def test_experts_on_their_own_ranks_predict_no_traffic():
+    shapes, dtype = model_shapes.decoder_shapes({**SMALL, "num_local_experts": 4})
+    out = prediction.predict(shapes, dtype, plan_topology([("expert", 4)]), 50_000)
+    assert sum(t.get("received", 0) for t in out["ranks"].values()) == 0
+    with pytest.raises(ValueError, match="4 experts do not spread evenly over 3"):
+        prediction.predict(shapes, dtype, plan_topology([("expert", 3)]), 50_000)
+
+
+def test_plan_with_a_model_prints_every_rank_and_the_totals(tmp_path):
+    import json as json_
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json_.dumps(SMALL))
+    run = lambda *a: subprocess.run([sys.executable, "-m", "paddle_fullparam_callbacks", "plan", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    r = run("--pp", "2", "--mp", "2", "--model", str(cfg), "--max-shard-size", "20KB", "--ranks-per-node", "2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("  rank ") == 4 and "in all: received" in r.stdout and "the floor" in r.stdout
+    assert "across nodes 0.00 GB" in r.stdout
+    j = json_.loads(run("--pp", "2", "--mp", "2", "--model", str(cfg), "--json").stdout)
+    assert set(j["ranks"]) == {"0", "1", "2", "3"} and j["snapshot_bytes"] > 0
+    r = run("--mp", "2", "--model", "Llama-9-1T")
+    assert r.returncode == 2 and "unknown model 'Llama-9-1T'" in r.stderr and "Traceback" not in r.stderr
+    assert run("--mp", "2", "--model", "llama-2-7b", "--json").returncode == 0
