@@ -1,273 +1,352 @@
-"""Launched part of ``bench/assembler.py`` (one rank of an mp2 x pp2 CPU/gloo job).
+"""Launched part of ``bench/assembler.py`` and ``bench/nodes_traffic.py``: one rank of one case.
 
     python -m paddle.distributed.launch --nproc_per_node 4 bench/assembler_ranks.py \
-        [--cases small,large] [--reps 3] [--profile-dir DIR]
+        --case mp2xpp2 --mp 2 --pp 2 [--dp 1] [--experts none|data|model] [--size small|full] \
+        [--reps 3] [--variants paddle,seed,routed] [--max-shard-size 1MB] [--iface VETH]
 
-Not meant to be run by hand: ``bench/assembler.py`` launches it (through the test harness's
-``run_launch``, with a timeout) and reads the ``ASMBENCH {json}`` lines each rank prints.
+Not meant to be run by hand: the orchestrators launch it (one launch per case) and read the
+``ASMBENCH {json}`` line each rank prints.
 
-On every rank: ``harness.init_fleet(mp=2, pp=2)`` (the gloo-safe group creation), then for each
-case a synthetic sharded state dict (see ``build_state_dict``) and, per repetition, the variants
-``paddle`` (Paddle 3.3.1's ``full_param`` HV path), ``builtin`` (this package's MeshAssembler,
-keep = every target, metadata exchange and planning included in the timed region) and
-``builtin_keep_own`` (same, keep = a quarter of the targets), and ``builtin_bucket8MB`` /
-``builtin_bucket128MB`` (keep = all, with a larger ``bucket_bytes`` than the default
-``topology.bucket_bytes`` = 2MB; large case only), interleaved and rotated, each between two barriers. Before the timed repetitions one untimed warm-up pass per variant checks, on rank 0,
-that ``paddle`` and ``builtin`` yield bit-identical tensors (sha256 of every tensor's bytes) and
-that they match the values the state dict was built from.
+On every rank: ``harness.init_fleet(dp, mp, pp)`` (the gloo-safe group creation), the harness's
+``TinyParallelLlama`` at the size's dimensions (``--experts``: plus ``NUM_EXPERTS`` experts per decoder
+layer held whole by their owner on that axis, as ``tests/multirank/ep_job.py`` builds them), its weights
+set by ``harness.perturb(model, 1)`` (the values the tests check against), and ``build_context`` (the
+export's own groups; ``expert_axes`` as the callback would read them from ``moe_group``).
+
+The variants, each over the export's real code path minus the file writer:
+
+* ``seed`` / ``routed``: ``planning.plan_export`` (the package's own planning: records exchange,
+  ``DestinationMap``, and for routed ``plan_placement`` + ``plan_routes``) with ``topology.schedule``
+  = seed / routed, once, untimed; then targets = the destinations of this mesh's files, keep = those of
+  the files this rank writes (as ``ExportSession.export`` computes them), and the timed
+  ``streaming.stream_tensors`` (the replica-digest exchange, then ``MeshAssembler`` resp.
+  ``RoutedAssembler`` over ``ctx.pair_groups``, a ``PairGroups``), its ``traffic`` dict giving the
+  assembler's own counts (``asm.stats``) and, for routed, the plan's prediction;
+* ``paddle``: the same with ``assembler=paddle`` (Paddle's ``full_param`` HV path over the job's mp
+  and pp groups, through the package's adapter; every rank of a mesh assembles every tensor, keeps its
+  own); refused where the mesh is not Paddle's groups (experts over the data axis): recorded as not run.
+
+Warm-up: one untimed pass per variant hashes (sha256 of ``np.ascontiguousarray(plain_array(t))``)
+every tensor the rank keeps and compares it with the full tensor (``harness.expected_global`` of the
+source, transposed as the AOA says); the orchestrator checks that each variant's kept names cover the
+snapshot once. Then ``--reps`` repetitions, variants interleaved and rotated, each timed between a
+barrier and the end of this rank's assembly. Around each: the kernel's TCP byte counts of this rank's
+own pid (``ss -tinpH``: ``bytes_received`` and ``bytes_acked`` summed over its sockets, per socket
+before/after) right before and right after the assembly, and once more after the closing barrier;
+with ``--iface``, the interface's ``rx_bytes``/``tx_bytes`` (``/sys/class/net/IFACE/statistics``,
+this rank's network namespace) after the opening barrier and after the closing one.
 """
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
 import hashlib
-import io
 import json
 import os
-import pstats
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "multirank"))
+sys.path[:0] = [str(HERE.parent / "tests" / "multirank"), str(HERE)]
 
 import numpy as np  # noqa: E402
 
 import harness  # noqa: E402
 
-CASES = {
-    # name: (number of tensors, global square side)
-    "small": (2000, 64),
-    "large": (64, 1024),
+# Model dimensions per size (TinyParallelLlama, float32). "full" is the ~88 MiB model of
+# CPU_CLUSTER.md's 2026-12-03 measurement; "small" runs each case in seconds.
+SIZES = {
+    "small": dict(vocab=2048, hidden=256, inter=512, layers=4, heads=4, kv_heads=2),
+    "full": dict(vocab=4096, hidden=512, inter=1024, layers=8, heads=4, kv_heads=2),
 }
-VARIANTS = ("paddle", "builtin", "builtin_keep_own", "builtin_bucket8MB", "builtin_bucket128MB")
-# what ExportSession passes on a 4-rank mesh: the topology config's default bucket
-from paddle_fullparam_callbacks.config import TopologyConfig  # noqa: E402
-
-DEFAULT_BUCKET = TopologyConfig().bucket_for(4)
-
-
-def global_values(i: int, n: int) -> np.ndarray:
-    """The full [n, n] float32 tensor number i (exact integers < 2**24, position dependent)."""
-    idx = np.arange(n * n, dtype=np.int64)
-    return ((idx * 2654435761 + i * 40503) % 1000003).astype(np.float32).reshape(n, n)
+# export.max_shard_size per size: about ten files per four ranks, so placement has files to spread
+MAX_SHARD = {"small": "1MB", "full": "4MB"}
+VARIANTS = ("paddle", "seed", "routed")
+STEP = 1  # the weights are harness.perturb(model, STEP)
 
 
-def tensor_name(i: int) -> str:
-    return f"model.layers.{i // 2}.w{i % 2}.{i:05d}.weight"
+# ---- the model ------------------------------------------------------------------------------------
+def _aoa(experts: bool) -> dict:
+    import ep_job
+    import export_job
+
+    return {"aoa_statements": [*export_job.AOA, *([ep_job.TOY_EXPERT_AOA] if experts else [])]}
 
 
-def build_state_dict(case: str, hcg):
-    """This rank's ShardedWeights: tensor i lives on pipe stage i % 2; tensors with (i // 2) even
-    are column-sharded over mp ([n, n/2] halves), the others replicated over mp."""
+def build_model(hcg, dims: dict, experts: str):
+    """TinyParallelLlama at ``dims``; with ``experts`` (data | model): ``ep_job.NUM_EXPERTS`` experts per
+    decoder layer ([hidden, inter], Paddle layout), each held whole by the rank of that axis that owns
+    it (the others of the axis hold None), as ``ep_job.build_toy`` does at the harness's tiny size."""
     import paddle
+    from paddle import nn
+
+    import ep_job
+
+    model = harness.TinyParallelLlama(hcg=hcg, **dims)
+    model.expert_params = {}
+    if experts != "none":
+        class Expert(nn.Layer):
+            def __init__(self, shape):
+                super().__init__()
+                self.weight = self.create_parameter(shape=list(shape), dtype=paddle.get_default_dtype())
+
+        r, n = ep_job.axis_rank(hcg, "dp" if experts == "data" else "mp")
+        per_rank = ep_job.NUM_EXPERTS // n
+        if per_rank < 1:
+            raise ValueError(f"{ep_job.NUM_EXPERTS} experts per layer over {n} ranks")
+        shape = (dims["hidden"], dims["inter"])
+        for i in model.layer_ids:
+            layers = nn.LayerList([Expert(shape) if e // per_rank == r else None for e in range(ep_job.NUM_EXPERTS)])
+            model.model.layers[str(i)].mlp.experts = layers
+            for e, layer in enumerate(layers):
+                if layer is not None:
+                    model.expert_params[f"model.layers.{i}.mlp.experts.{e}.weight"] = layer.weight
+    harness.perturb(model, STEP)
+    for k, p in model.expert_params.items():
+        p.set_value(paddle.to_tensor(harness.expected_global(k, tuple(p.shape), STEP)))
+    return model
+
+
+def sharded_state_dict(model) -> dict:
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
-    count, n = CASES[case]
-    stage, mp_rank, mp = hcg.get_stage_id(), hcg.get_model_parallel_rank(), hcg.get_model_parallel_world_size()
-    sd = {}
-    for i in range(count):
-        if i % 2 != stage:
-            continue
-        g = global_values(i, n)
-        name = tensor_name(i)
-        if (i // 2) % 2 == 0:
-            w = n // mp
-            local = np.ascontiguousarray(g[:, mp_rank * w:(mp_rank + 1) * w])
-            sd[name] = ShardedWeight(name, paddle.to_tensor(local), (n, w), (n, n), (0, mp_rank * w))
-        else:
-            sd[name] = ShardedWeight(name, paddle.to_tensor(g), (n, n), (n, n), (0, 0))
+    sd = harness.sharded_state_dict(model)
+    for k, p in model.expert_params.items():  # whole, on the owner (and its replicas) only
+        sd[k] = ShardedWeight(k, p, tuple(p.shape), tuple(p.shape), (0,) * len(p.shape))
     return sd
 
 
-def sha(t) -> str:
-    return hashlib.sha256(np.ascontiguousarray(t.numpy()).tobytes()).hexdigest()
+def expected_digest(name: str, global_shape) -> str:
+    """sha256 of the destination ``name``'s bytes: the full source tensor, transposed where the AOA
+    transposes it (every 2-D weight but the embedding: Paddle [in, out] Linear weights -> HF [out, in])."""
+    g = harness.expected_global(name, tuple(global_shape), STEP)
+    if g.ndim == 2 and name != "model.embed_tokens.weight":
+        g = g.T
+    return hashlib.sha256(np.ascontiguousarray(g).tobytes()).hexdigest()
 
 
-# ---- the variants --------------------------------------------------------------------------------
-def run_paddle(sd, hcg, ctx, sink=None):
-    from paddle.distributed.flex_checkpoint.dcp.full_param import full_param
+def digest(t) -> str:
+    from paddle_fullparam_callbacks.export.session.host import plain_array
 
+    return hashlib.sha256(np.ascontiguousarray(plain_array(t)).tobytes()).hexdigest()
+
+
+# ---- counting bytes -------------------------------------------------------------------------------
+_NUM = {k: re.compile(rf"\b{k}:(\d+)") for k in ("bytes_received", "bytes_acked")}
+
+
+def tcp_counts(pid: int) -> dict:
+    """{(local, peer): (bytes_received, bytes_acked)} of every TCP socket of ``pid`` (``ss -tinpH``: a
+    socket's line names its users, the indented line after it has its counters)."""
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=30).stdout
+    socks, current = {}, None
+    tag = f"pid={pid},"
+    for line in out.splitlines():
+        if line[:1].isspace():
+            if current is not None:
+                vals = [int(m.group(1)) if (m := _NUM[k].search(line)) else 0 for k in ("bytes_received", "bytes_acked")]
+                socks[current] = tuple(vals)
+                current = None
+            continue
+        parts = line.split()
+        current = (parts[3], parts[4]) if tag in line and len(parts) >= 5 else None
+    return socks
+
+
+def tcp_delta(before: dict, after: dict) -> dict:
+    """Bytes received / acked by this process's sockets between two samples (a socket opened between them
+    counts from zero; one closed between them is lost, and counted in ``closed``)."""
+    rx = sum(a[0] - before.get(k, (0, 0))[0] for k, a in after.items())
+    tx = sum(a[1] - before.get(k, (0, 0))[1] for k, a in after.items())
+    return {"received": rx, "sent": tx, "sockets": len(after), "opened": len(set(after) - set(before)),
+            "closed": len(set(before) - set(after))}
+
+
+def iface_counts(iface: str) -> dict:
+    if not iface:
+        return {}
+    base = Path("/sys/class/net") / iface / "statistics"
+    return {k: int((base / k).read_text()) for k in ("rx_bytes", "tx_bytes", "rx_packets", "tx_packets")}
+
+
+# ---- the plan's view ------------------------------------------------------------------------------
+def floor_received(records, dmap, keep, rank: int) -> int:
+    """Bytes the destinations in ``keep`` read that this rank does not hold, each distinct piece once
+    (computed here from the records and the mapping, not by the routing plan)."""
+    from paddle_fullparam_callbacks.assemble.routed import holdings_of, needs_of
+    from paddle_fullparam_callbacks.plan.boxes import HoldingIndex
+
+    index = HoldingIndex(holdings_of(records))
+    missing = {}
+    for name, needs in needs_of(dmap, keep).items():
+        for need in needs:
+            for piece in index.pieces(need):
+                if rank not in piece.holders:
+                    missing[(piece.key, piece.offset, piece.shape)] = piece.nbytes
+    return sum(missing.values())
+
+
+def prepare_variant(variant: str, ctx, source, sd, common: list) -> dict:
+    """The package's plan for ``variant`` and what this rank keeps of it (as ExportSession.export does)."""
+    from paddle_fullparam_callbacks.config.recipes import load_config
+    from paddle_fullparam_callbacks.export.session.planning import plan_export
+
+    overrides = {"paddle": ["assembler=paddle", "topology.schedule=seed"], "seed": ["topology.schedule=seed"],
+                 "routed": ["topology.schedule=routed"]}[variant]
+    config = load_config(None, [*common, *overrides])
     t0 = time.perf_counter()
+    p = plan_export(ctx, config, source, sd)
+    plan_s = time.perf_counter() - t0
+    mesh_files, my_files = set(p.writes.files_of_mesh(ctx.mesh.index)), set(p.writes.files_of_rank(ctx.rank))
+    targets = [n for n in p.order if p.plan.slots[n].file_index in mesh_files]
+    keep = {n for n in targets if p.plan.slots[n].file_index in my_files}
+    info = {
+        "plan_seconds": plan_s,
+        "files": len(p.plan.files),
+        "files_here": sorted(my_files),
+        "targets": len(targets),
+        "kept": len(keep),
+        "writes_bytes": sum(p.plan.slots[n].nbytes for n in keep),
+        "snapshot_bytes": sum(p.plan.slots[n].nbytes for n in p.order),
+        "floor_received": floor_received(p.records, p.dmap, sorted(keep), ctx.rank),
+        "balance": p.balance, "balance_note": p.balance_note,
+        "bucket_bytes": config.topology.bucket_for(1 if variant == "routed" else ctx.mesh.size),
+    }
+    if p.routes is not None:
+        t = p.routes.traffic.get(ctx.rank)
+        info.update(predicted_received=t.received if t else 0, predicted_sent=t.sent if t else 0,
+                    predicted_received_cross_node=t.received_cross_node if t else 0,
+                    predicted_sent_cross_node=t.sent_cross_node if t else 0,
+                    packets_here=len(p.routes.packets_of(ctx.rank)), packets_total=len(p.routes.packets),
+                    moves_total=len(p.routes.moves))
+    return {"config": config, "p": p, "targets": targets, "keep": keep, "info": info}
+
+
+def run_variant(prep: dict, ctx, source, sd, sink=None) -> dict:
+    """``stream_tensors`` over the prepared plan: every tensor this rank keeps (hashed into ``sink``)."""
+    from paddle_fullparam_callbacks.export.session.streaming import stream_tensors
+
+    traffic: dict = {}
     n = 0
-    for name, t in full_param(sd, aoa_config={}, h_group=hcg.get_model_parallel_group(),
-                              v_group=hcg.get_pipe_parallel_group()):
+    for name, t in stream_tensors(ctx, prep["config"], sd, prep["p"], source, prep["targets"], prep["keep"],
+                                  traffic=traffic):
         n += 1
         if sink is not None:
-            sink[name] = sha(t)
-    return {"seconds": time.perf_counter() - t0, "yielded": n}
+            sink[name] = digest(t)
+        t = None
+    return {"yielded": n, "traffic": traffic}
 
 
-def run_builtin(sd, hcg, ctx, sink=None, keep_own=False, bucket_bytes=None):
-    from paddle_fullparam_callbacks.assemble.mapping import build_destination_map
-    from paddle_fullparam_callbacks.assemble.mesh import MeshAssembler, records_from_state_dict, shard_info_from_records
-
-    t0 = time.perf_counter()
-    records = [r for per_rank in ctx.mesh_gather_object(records_from_state_dict(ctx.rank, sd)) for r in per_rank]
-    t1 = time.perf_counter()
-    dmap = build_destination_map(shard_info_from_records(records), {})
-    t2 = time.perf_counter()
-    targets = sorted(dmap.names)
-    if keep_own:
-        pos, size = ctx.mesh.ranks.index(ctx.rank), ctx.mesh.size
-        q = -(-len(targets) // size)
-        keep = targets[pos * q:(pos + 1) * q]
-    else:
-        keep = targets
-    asm = MeshAssembler(sd, records, dmap, targets, keep, ctx.mesh, ctx.rank, ctx.h_group, ctx.v_group, "keep",
-                        bucket_bytes)
-    t3 = time.perf_counter()
-    n = 0
-    for name, t in asm.run():
-        n += 1
-        if sink is not None:
-            sink[name] = sha(t)
-    t4 = time.perf_counter()
-    if asm.errors:
-        raise RuntimeError(asm.errors[0])
-    return {"seconds": t4 - t0, "run_seconds": t4 - t3, "gather_seconds": t1 - t0, "dmap_seconds": t2 - t1,
-            "asm_init_seconds": t3 - t2, "yielded": n, "kept": len(keep), "targets": len(targets),
-            "collectives": asm.collectives, "rounds": len(asm.rounds),
-            "gather_rounds": sum(r.kind == "gather" for r in asm.rounds),
-            "bcast_rounds": sum(r.kind == "bcast" for r in asm.rounds), "items": len(asm.items),
-            "bytes_moved": asm.bytes_moved}
-
-
-def call_variant(variant, sd, hcg, ctx, sink=None, bucket_bytes=DEFAULT_BUCKET):
-    """``builtin_bucket<N>MB``: the builtin assembler with ``bucket_bytes = N MiB`` (keep = all)."""
-    if variant == "paddle":
-        return run_paddle(sd, hcg, ctx, sink)
-    m = re.fullmatch(r"builtin_bucket(\d+)MB", variant)
-    if m:
-        bucket_bytes = int(m.group(1)) * 2**20
-    r = run_builtin(sd, hcg, ctx, sink, keep_own=(variant == "builtin_keep_own"), bucket_bytes=bucket_bytes)
-    r["bucket_bytes"] = bucket_bytes
-    return r
-
-
-def counting_collectives(fn):
-    """Run fn() counting paddle.distributed.broadcast / all_gather / all_gather_object calls
-    (Paddle's full_param calls them through the ``paddle.distributed`` attributes)."""
+def timed(fn, iface: str) -> dict:
+    """Barrier; counters; ``fn()`` timed; kernel counters right after; barrier; counters again."""
     import paddle.distributed as dist
 
-    counts = {"broadcast": 0, "all_gather": 0, "all_gather_object": 0}
-    originals = {k: getattr(dist, k) for k in counts}
-
-    def wrap(k):
-        def f(*a, **kw):
-            counts[k] += 1
-            return originals[k](*a, **kw)
-        return f
-
-    for k in counts:
-        setattr(dist, k, wrap(k))
+    pid = os.getpid()
+    gc.collect()
+    dist.barrier()
+    i0 = iface_counts(iface)
+    k0 = tcp_counts(pid)
+    t0 = time.perf_counter()
+    error = None
     try:
-        result = fn()
-    finally:
-        for k, v in originals.items():
-            setattr(dist, k, v)
-    return result, counts
-
-
-def top_functions(prof: cProfile.Profile, n: int = 12) -> dict:
-    import _common as C  # bench/ is on sys.path once main() ran
-
-    st = pstats.Stats(prof, stream=io.StringIO())
-    return {key: C.profile_top(st, key, n, digits=4) for key in ("cumulative", "tottime")}
+        r = fn()
+    except Exception as e:  # recorded; every rank finds the same (a refused plan) or the job times out
+        r, error = {}, f"{type(e).__name__}: {e}"
+    seconds = time.perf_counter() - t0
+    k1 = tcp_counts(pid)
+    dist.barrier()
+    k2 = tcp_counts(pid)
+    i1 = iface_counts(iface)
+    r.update(seconds=seconds, kernel=tcp_delta(k0, k1), kernel_after_barrier=tcp_delta(k0, k2), error=error)
+    if iface:
+        r["iface_before"], r["iface_after"] = i0, i1
+    return r
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="small,large")
+    ap.add_argument("--case", required=True)
+    for a in ("dp", "mp", "pp"):
+        ap.add_argument(f"--{a}", type=int, default=1)
+    ap.add_argument("--experts", default="none", choices=("none", "data", "model"),
+                    help="experts held whole by their owner on this axis (PaddleFormers' moe_group dp / mp)")
+    ap.add_argument("--size", default="small", choices=sorted(SIZES))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET,
-                    help="MeshAssembler bucket of 'builtin' and 'builtin_keep_own' (default: topology.bucket_bytes)")
-    ap.add_argument("--profile-dir", default="", help="one extra untimed pass of paddle and builtin per case under cProfile (rank 0's stats kept)")
+    ap.add_argument("--max-shard-size", default="", help="export.max_shard_size (default: per size)")
+    ap.add_argument("--iface", default="", help="count this interface's bytes around each assembly (two nodes)")
     ns = ap.parse_args()
 
     import paddle
     import paddle.distributed as dist
 
-    sys.path.insert(0, str(HERE))
     import _common as C
 
     C.quiet_logs()
     paddle.set_device("cpu")
-    hcg = harness.init_fleet(mp=2, pp=2)
+    t_start = time.perf_counter()
+    hcg = harness.init_fleet(dp=ns.dp, mp=ns.mp, pp=ns.pp)
+    from paddle_fullparam_callbacks.export.source import ModelSource
     from paddle_fullparam_callbacks.trainer.topology import build_context
 
-    ctx = build_context()
     rank = dist.get_rank()
-    variants = ns.variants.split(",")
-    report = {"rank": rank, "mesh": [list(r) for r in ctx.mesh.rows], "cases": {}}
+    dims = SIZES[ns.size]
+    model = build_model(hcg, dims, ns.experts)
+    sd = sharded_state_dict(model)
+    expert_axes = {"none": (), "data": ("data",), "model": ("model",)}[ns.experts]
+    with harness.gloo_safe_group_creation():
+        ctx = build_context(expert_axes=expert_axes)
+    source = ModelSource(sharded_state_dict=lambda: sd, aoa_config=_aoa(ns.experts != "none"))
+    common = [f"export.max_shard_size={ns.max_shard_size or MAX_SHARD[ns.size]}", "on_error=raise"]
+    report = {
+        "rank": rank, "case": ns.case, "size": ns.size, "dims": dims, "degrees": dict(dp=ns.dp, mp=ns.mp, pp=ns.pp),
+        "experts": ns.experts, "pid": os.getpid(), "mesh": [list(r) for r in ctx.mesh.rows], "mesh_index": ctx.mesh.index,
+        "nodes": list(ctx.nodes), "pod": os.environ.get("POD_NAME"), "iface": ns.iface or None,
+        "held_bytes": int(sum(int(sw.local_tensor.numel()) * 4 for sw in sd.values())),
+        "setup_seconds": None, "variants": {},
+    }
+    preps = {}
+    for v in ns.variants.split(","):
+        preps[v] = prepare_variant(v, ctx, source, sd, common)
+        report["variants"][v] = {"plan": preps[v]["info"], "reps": []}
+    report["setup_seconds"] = time.perf_counter() - t_start
 
-    all_variants = variants
-    for case in ns.cases.split(","):
-        # the bucket diagnostics only matter where slices are large (small: one round either way)
-        variants = [v for v in all_variants if case == "large" or not v.startswith("builtin_bucket")]
-        sd = build_state_dict(case, hcg)
-        count, n = CASES[case]
-        cres = {"tensors": count, "global_shape": [n, n], "local_entries": len(sd),
-                "local_bytes": int(sum(int(sw.local_tensor.numel()) * 4 for sw in sd.values())),
-                "global_bytes": count * n * n * 4, "reps": {v: [] for v in variants}}
-        # warm-up + correctness (untimed for the headline; seconds kept for reference)
-        sinks = {}
-        for v in variants:
-            sink = {} if v != "builtin_keep_own" else None
-            dist.barrier()
-            if v == "paddle":
-                r, cres["paddle_collectives"] = counting_collectives(lambda sd=sd: call_variant(v, sd, hcg, ctx, sink))
-            else:
-                r = call_variant(v, sd, hcg, ctx, sink, ns.bucket_bytes)
-            dist.barrier()
-            cres.setdefault("warmup", {})[v] = r
-            if sink is not None:
-                sinks[v] = sink
-        check = {}
-        if "paddle" in sinks and "builtin" in sinks:
-            a, b = sinks["paddle"], sinks["builtin"]
-            expected = {tensor_name(i): hashlib.sha256(global_values(i, n).tobytes()).hexdigest() for i in range(count)}
-            check = {"names_compared": len(set(a) & set(b)), "same_names": set(a) == set(b),
-                     "bit_identical": set(a) == set(b) and all(a[k] == b[k] for k in a),
-                     "method": "sha256 of every yielded tensor's bytes, paddle vs builtin (keep=all), and vs "
-                               "the numpy global tensors the shards were cut from"}
-            for v, got in sinks.items():
-                check[f"{v}_matches_expected"] = got == expected
-        cres["check"] = check
-        del sinks
-        # timed repetitions, interleaved, order rotated each repetition
-        for rep in range(ns.reps):
-            order = variants[rep % len(variants):] + variants[:rep % len(variants)]
-            for v in order:
-                gc.collect()
-                dist.barrier()
-                r = call_variant(v, sd, hcg, ctx, None, ns.bucket_bytes)
-                dist.barrier()
-                r["rep"] = rep
-                cres["reps"][v].append(r)
-        if ns.profile_dir:
-            cres["profile"] = {}
-            for v in [v for v in ("paddle", "builtin") if v in variants]:
-                gc.collect()
-                dist.barrier()
-                prof = cProfile.Profile()
-                prof.enable()
-                call_variant(v, sd, hcg, ctx, None, ns.bucket_bytes)
-                prof.disable()
-                dist.barrier()
-                if rank == 0:
-                    os.makedirs(ns.profile_dir, exist_ok=True)
-                    prof.dump_stats(os.path.join(ns.profile_dir, f"{case}-{v}.prof"))
-                    cres["profile"][v] = top_functions(prof)
-        report["cases"][case] = cres
-        del sd
-        gc.collect()
+    # warm-up: every variant once, hashing what this rank keeps
+    runnable = []
+    for v, prep in preps.items():
+        sink: dict = {}
+        r = timed(lambda: run_variant(prep, ctx, source, sd, sink), "")
+        errors = [e for e in ctx.all_gather_object(r["error"]) if e]
+        entry = report["variants"][v]
+        entry["warmup"] = {k: r.get(k) for k in ("seconds", "yielded", "traffic", "kernel", "error")}
+        if errors:
+            entry["not_run"] = errors[0]
+            continue
+        runnable.append(v)
+        kept = sorted(sink)
+        # the mesh's shard records know every source's global shape (destination names are source names here)
+        global_shapes = {rec.key: rec.global_shape for rec in prep["p"].records}
+        bad = [n for n in kept if n not in global_shapes or sink[n] != expected_digest(n, global_shapes[n])]
+        entry["check"] = {"kept_names": kept, "kept_as_planned": set(kept) == prep["keep"],
+                          "matches_full_tensors": not bad, "mismatched": bad[:5]}
+
+    for rep in range(ns.reps):
+        order = runnable[rep % max(1, len(runnable)):] + runnable[:rep % max(1, len(runnable))]
+        for v in order:
+            r = timed(lambda: run_variant(preps[v], ctx, source, sd), ns.iface)
+            r["rep"] = rep
+            report["variants"][v]["reps"].append(r)
     dist.barrier()
+    report["total_seconds"] = time.perf_counter() - t_start
     print("ASMBENCH " + json.dumps(report), flush=True)
+    dist.barrier()
+    # leave without the process groups' and stores' destructors (tests/multirank/pipe_job.py: launched)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

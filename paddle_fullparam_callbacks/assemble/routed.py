@@ -58,11 +58,13 @@ class RoutedAssembler:
             the plan needs (``trainer/host_groups.PairGroups``).
         node_of: rank -> node, for the cross-node counts.
         transforms: source key -> fn(host array, dtype) -> the array to export (a LoRA merge).
+        on_packet: called after each packet (the watchdog's beat).
     """
 
     def __init__(self, sharded_state_dict, dmap: DestinationMap, plan: RoutePlan, keep: Sequence[str], rank: int,
                  groups=None, export_dtype: str = "keep", transforms=None, boundary: Optional[DeviceBoundary] = None,
-                 node_of: Optional[Mapping[int, object]] = None, source_dtypes: Mapping[str, str] = ()):
+                 node_of: Optional[Mapping[int, object]] = None, source_dtypes: Mapping[str, str] = (),
+                 on_packet=None):
         self.sd = sharded_state_dict
         self.dmap, self.plan, self.rank, self.groups = dmap, plan, rank, groups
         self.keep = list(keep)
@@ -81,6 +83,7 @@ class RoutedAssembler:
         self._partial: Dict[int, np.ndarray] = {}  # a large move being received, flat
         self._outgoing: Tuple[int, Optional[np.ndarray]] = (-1, None)  # a large move being sent, flat
         self.source_dtypes = dict(source_dtypes)
+        self.on_packet = on_packet or (lambda: None)
         self.errors: List[str] = []
         self._local: Dict[str, Tuple[object, str]] = {}
         self._uses = Counter()  # local key -> readers left (my destinations and my sends)
@@ -202,6 +205,7 @@ class RoutedAssembler:
             return self._recv(p)
         finally:
             self.stats["seconds_in_transfers"] += time.perf_counter() - t0
+            self.on_packet()
 
     # ---- assembly ----------------------------------------------------------------------------------
     def _region(self, desc):

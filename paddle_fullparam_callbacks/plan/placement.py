@@ -6,8 +6,10 @@ The rule (docs/multi-rank.md, "Placement"):
    bytes (a tensor-parallel weight: every rank of its pipeline stage's row, each holding a slice; a
    norm replicated over a row: each of them, whole; an expert: the one rank that holds it).
 2. Tensors with the same candidates are packed together, in natural name order, into files of at
-   most ``max_shard_size`` (a larger tensor alone); files are numbered by their first tensor's name,
-   so the names (``model-0000i-of-0000N``) and the index are the ones users know.
+   most ``max_shard_size`` (a larger tensor alone), and smaller when that gives each candidate writer
+   (in every replica mesh) a file of its own, down to ``split_floor`` (64 MB: a small model keeps its
+   one file); files are numbered by their first tensor's name, so the names (``model-0000i-of-0000N``)
+   and the index are the ones users know.
 3. Each file, largest first, goes to one of its candidates in any replica mesh (data parallel
    replicas hold the same bytes at the same positions), choosing the fewest bytes to fetch from
    another node, then the least loaded writer.
@@ -28,6 +30,7 @@ from .export_plan import ExportPlan, TensorSpec, natural_key, pack, plan_from_gr
 from .topology import Mesh, TopologyPlan, WritePlan
 
 BALANCE_LIMIT = 1.25
+SPLIT_FLOOR = 64 * 2**20  # files are cut below max_shard_size for balance, but not below this
 Position = Tuple[int, int]  # (row = pipe index, column = horizontal index) inside a mesh
 
 
@@ -84,10 +87,28 @@ def _cross(tensors: Sequence[_Tensor], p: Position, mesh: Mesh, node_of: Mapping
     return n
 
 
+def _cap(members: Sequence[_Tensor], writers: int, max_shard_size: int, split_floor: int) -> int:
+    """The smallest file limit (between the even share and ``max_shard_size``, not below ``split_floor``) at
+    which packing in name order makes at most ``writers`` files: files as even as contiguous runs allow."""
+    specs = [t.spec for t in members]
+    total = sum(s.nbytes for s in specs)
+    lo = max([-(-total // writers), split_floor] + [s.nbytes for s in specs])
+    if lo >= max_shard_size or len(pack(specs, max_shard_size)) > writers:
+        return max_shard_size
+    hi = max_shard_size
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(pack(specs, mid)) <= writers:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def plan_placement(specs: Sequence[TensorSpec], needs: Mapping[str, Sequence[Need]], holdings: Sequence[Holding],
                    topology: TopologyPlan, holding_mesh: int, max_shard_size: int,
                    node_of: Optional[Mapping[int, object]] = None, *, prefix: str = "model",
-                   metadata: "dict | None" = None) -> Placement:
+                   metadata: "dict | None" = None, split_floor: int = SPLIT_FLOOR) -> Placement:
     """The files and their writers by the module's rule.
 
     Args:
@@ -107,7 +128,8 @@ def plan_placement(specs: Sequence[TensorSpec], needs: Mapping[str, Sequence[Nee
     groups: List[Tuple[FrozenSet[Position], List[_Tensor]]] = []
     for cands, members in by_candidates.items():
         by_name = {t.spec.name: t for t in members}
-        for g in pack([t.spec for t in members], max_shard_size):
+        writers = max(1, len(cands) * len(meshes))  # a file per candidate writer, where the bytes allow
+        for g in pack([t.spec for t in members], _cap(members, writers, max_shard_size, split_floor)):
             if g:
                 groups.append((cands, [by_name[s.name] for s in g]))
     groups.sort(key=lambda cg: natural_key(cg[1][0].spec.name) if cg[1] else ())

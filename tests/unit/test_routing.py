@@ -315,3 +315,16 @@ def test_plan_with_a_model_prints_every_rank_and_the_totals(tmp_path):
     r = run("--mp", "2", "--model", "Llama-9-1T")
     assert r.returncode == 2 and "unknown model 'Llama-9-1T'" in r.stderr and "Traceback" not in r.stderr
     assert run("--mp", "2", "--model", "llama-2-7b", "--json").returncode == 0
+
+
+def test_files_are_cut_below_the_limit_so_every_candidate_writer_gets_one():
+    """With a large max_shard_size, a stage's tensors still go to as many files as the stage has writers
+    (contiguous runs of even size), when that keeps files above the split floor."""
+    topo = plan_topology([("pipe", 2), ("model", 2)])
+    lay = llama([list(row) for row in topo.meshes[0].rows], 2, layers=8)
+    specs, needs = lay.identity()
+    kept = plan_placement(specs, needs, lay.holdings, topo, 0, 10**9)  # default floor (64 MB): one file per group
+    cut = plan_placement(specs, needs, lay.holdings, topo, 0, 10**9, split_floor=1)
+    assert len(cut.plan.files) >= 4 > len(kept.plan.files)
+    assert cut.balance <= placement.BALANCE_LIMIT and len(set(cut.writes.file_writer)) == 4
+    assert all(f.data_bytes <= 10**9 for f in cut.plan.files)

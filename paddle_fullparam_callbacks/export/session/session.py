@@ -281,7 +281,7 @@ class ExportSession:
             job.exporter.begin(p.plan, job.staging, job.step, my_files)
             with ctx.waiting("assembly", ctx.mesh_ranks):  # export.timeout_s: no tensor for that long ends the job
                 for tname, tensor in stream_tensors(ctx, self.config, sd, p, job.source, targets, keep,
-                                                    job.exporter.wait_for_room, boundary, job.traffic):
+                                                    job.exporter.wait_for_room, boundary, job.traffic, beat):
                     beat()
                     if job.error is None:
                         try:

@@ -25,11 +25,12 @@ logger = logging.getLogger("paddle_fullparam_callbacks")
 
 def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: ModelSource,
                    targets: List[str], keep: set, room=None, boundary: Optional[DeviceBoundary] = None,
-                   traffic: Optional[dict] = None) -> Iterator[Tuple[str, np.ndarray]]:
+                   traffic: Optional[dict] = None, beat=None) -> Iterator[Tuple[str, np.ndarray]]:
     """``room(nbytes)``: waits until the writer can take a tensor that large (file sources only: a live
     model's tensors exist already, a file's are read on demand). ``boundary``: where a live model's
     slices leave the device (``export.device_memory_budget``). ``traffic``: filled with what this rank sent
-    and received (bytes; the routed and seed schedules)."""
+    and received (bytes; the routed and seed schedules). ``beat()``: progress inside the assembly (a packet
+    sent or received: a rank that writes little still shows the watchdog it is moving)."""
     boundary = boundary or DeviceBoundary(config.export.device_budget)
     mapped = config.export.format != "paddle_safetensors"
     if source.tensors is not None:  # slices in files (convert): read and assembled here, no communication
@@ -68,7 +69,7 @@ def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: 
     if p.routes is not None:
         asm = RoutedAssembler(sd, p.dmap, p.routes, [n for n in targets if n in keep], ctx.rank, ctx.pair_groups,
                               config.export.dtype, source.local_transforms, boundary, dict(enumerate(ctx.nodes)),
-                              {r.key: r.dtype for r in p.records})
+                              {r.key: r.dtype for r in p.records}, on_packet=beat)
         _check_replicas(ctx, lambda: replica_digests(p.records, ctx.rank, asm.local_bytes))
     else:
         asm = MeshAssembler(sd, p.records, p.dmap, targets, keep, ctx.mesh, ctx.rank, ctx.h_group, ctx.v_group,
