@@ -1,40 +1,50 @@
-"""Assembler and planner benchmark: the builtin MeshAssembler vs Paddle's ``full_param`` on 4 CPU
-ranks, and the export planner on a 50,000-tensor MoE-shaped model.
+"""Assembler and planner benchmark: the routed schedule vs the seed schedule vs Paddle's ``full_param``
+on 4 and 8 CPU ranks (bytes counted by the kernel and time), and the export planner on a
+50,000-tensor MoE-shaped model.
 
-Run (about 5 minutes; the machine should otherwise be idle)::
+Run (the machine should otherwise be idle; ``--size full`` takes several minutes per case)::
 
     PY=$(scripts/env.sh paddleformers)
-    $PY bench/assembler.py                 # -> bench/results/assembler.json, and a short table
-    $PY bench/assembler.py --reps 5        # more repetitions of part A
-    $PY bench/assembler.py --skip-planner  # part A only (or --skip-launch: part B only)
+    PYTHONPATH=$PWD $PY bench/assembler.py --size full            # -> bench/results/assembler.json + a table
+    PYTHONPATH=$PWD $PY bench/assembler.py --size small --skip-planner --out /tmp/asm.json   # a quick look
+    PYTHONPATH=$PWD $PY bench/assembler.py --cases mp2xpp2,dp2xmp2 --reps 5   # some cases, more repetitions
 
-A. Multi-rank assembly (one ``paddle.distributed.launch`` of ``bench/assembler_ranks.py``, 4 ranks,
-   CPU/gloo, mesh mp2 x pp2 via the test harness's ``init_fleet`` with its gloo-safe group
-   creation; the launch is wrapped in ``run_launch(..., timeout=...)``). A synthetic sharded state
-   dict of ``ShardedWeight``s: tensor i lives on pipe stage i % 2; tensors with (i // 2) even are
-   column-sharded over mp (each mp rank holds an [n, n/2] half), the others replicated over mp.
-   Cases: ``small`` = 2000 tensors of 64x64 float32; ``large`` = 64 tensors of 1024x1024 float32.
-   Variants, each timed on every rank between two barriers:
+``--skip-planner`` / ``--skip-launch`` run one part; the other part's last figures are carried over from
+the output file (with the date they were measured) when it has them.
 
-   * ``paddle``: ``for name, t in full_param(sd, aoa_config={}, h_group=mp group, v_group=pp group)``
-     (Paddle 3.3.1's HV path: every rank gets every tensor);
-   * ``builtin``: ``ctx = build_context()``; metadata exchange (``ctx.mesh_gather_object`` of
-     ``records_from_state_dict``), ``build_destination_map(shard_info_from_records(records), {})``,
-     ``MeshAssembler(..., targets=sorted names, keep=ALL targets, bucket_bytes=2MB)`` (the
-     default ``topology.bucket_bytes``) and its ``.run()`` loop: all inside the
-     timed region (``run_seconds`` is the loop alone);
-   * ``builtin_keep_own``: the same with keep = a quarter of the targets (what one writer needs);
-   * ``builtin_bucket8MB`` / ``builtin_bucket128MB``: keep = ALL with a larger bucket (diagnostic,
-     large case only; 128MB was the first default and made large_speedup 0.42).
+A. Multi-rank assembly: one ``paddle.distributed.launch`` of ``bench/assembler_ranks.py`` per case
+   (CPU/gloo, the test harness's ``init_fleet`` with its gloo-safe group creation, ``run_launch`` with a
+   timeout; retried once on Paddle's TCPStore abort at start-up). The model is the harness's
+   ``TinyParallelLlama`` (real ``ColumnParallelLinear`` / ``RowParallelLinear`` / ``VocabParallelEmbedding``
+   layers, float32, weights from ``harness.perturb``), exported in HF layout (the multirank tests' AOA:
+   Linear weights transposed): ``--size small`` (vocab 2048, hidden 256, inter 512, 4 layers: 13 MiB)
+   or ``--size full`` (vocab 4096, hidden 512, inter 1024, 8 layers: 88 MiB, CPU_CLUSTER.md's model);
+   ``export.max_shard_size`` 1MB / 4MB (about ten files per four ranks). Cases (``CASES``): mp2 x pp2,
+   mp4, dp2 x mp2, ep4 (mp4, ``ep_job``'s 4 experts per layer, one whole on each rank: ``moe_group=mp``),
+   ep over data (dp2 x mp2, 2 experts per dp rank: ``moe_group=dp``, the mesh takes the data axis) at 4
+   ranks; mp2 x pp4 and ep over data at dp2 x pp2 x mp2 at 8 ranks.
 
-   One untimed warm-up pass per variant checks on rank 0 that ``paddle`` and ``builtin`` yield
-   bit-identical tensors (sha256 of all of them) equal to the tensors the shards were cut from,
-   and counts Paddle's collectives. Then ``--reps`` repetitions, variants interleaved (order
-   rotated each repetition); then one extra pass of ``paddle`` and ``builtin`` under cProfile
-   (rank 0's top functions are kept). Reported per variant: rank 0's seconds and the max over
-   ranks, every repetition and the medians. ``small_speedup`` / ``large_speedup`` = median
-   paddle seconds / median builtin seconds (max over ranks; the rank-0 ratio is also given).
-   Targets: small_speedup >= 5, large_speedup >= 1.0.
+   Variants (the export's own code path without the file writer: ``planning.plan_export`` once, untimed,
+   then ``streaming.stream_tensors`` with the session's targets and keep, each rank keeping the tensors
+   of the files it writes): ``routed`` (``topology.schedule=routed``: placement + routing +
+   ``RoutedAssembler`` over ``PairGroups``), ``seed`` (``topology.schedule=seed``: ``MeshAssembler``) and
+   ``paddle`` (``assembler=paddle``: Paddle's ``full_param`` HV path; not run where the mesh is not
+   Paddle's mp x pp groups, e.g. experts over the data axis). One warm-up pass per variant checks the
+   bytes (sha256 of every kept tensor against the full tensor) and that the kept names cover the snapshot
+   once; then ``--reps`` repetitions, variants interleaved and rotated, each between barriers.
+
+   Per case, variant and rank: bytes received and sent counted by the kernel (``ss -tinpH``: the sum of
+   ``bytes_received`` / ``bytes_acked`` over the TCP sockets of the rank's pid, right before and right
+   after its assembly), the assembler's own count (``traffic``, i.e. ``asm.stats``), for routed the plan's
+   prediction (``RoutePlan.traffic[rank]``), the floor (bytes the rank's files read that it does not hold,
+   each distinct piece once: computed by the benchmark from the shard records and the mapping), the
+   bytes it writes, and the seconds (median over repetitions). A variant's time per repetition is the
+   slowest rank's.
+
+   Targets: (1) with routed, no rank receives more than it writes (kernel count, 64 KiB allowed for the
+   barrier and store traffic in the window; the own count exactly); (2) with routed, what all ranks
+   receive is <= 0.6x the snapshot on the meshes that are mp2 (mp2 x pp2, dp2 x mp2, mp2 x pp4);
+   (3) routed takes <= 0.6x the seed schedule's time, every case at 4 ranks and at 8 ranks.
 
 B. Planner (one child process, no launch, a world of one): a MoE-shaped model of 64 layers x
    (256 experts x [gate, up, down] + q, k, v, o + 2 norms) + embeddings, final norm and head =
@@ -53,8 +63,8 @@ B. Planner (one child process, no launch, a world of one): a MoE-shaped model of
    cumulative and by own time, and the cumulative time of the package's planning steps).
    Targets: plan_50k_seconds - aoa_50k_seconds <= 5, replan_50k_seconds <= 0.5.
 
-All figures are medians; the machine has 2 cores shared by the 4 ranks, so only ratios measured
-side by side in the same run are meaningful.
+The machine has 2 cores shared by up to 8 ranks: seconds are noisy, compare ratios measured side by
+side in the same launch. Byte counts do not depend on the machine.
 """
 from __future__ import annotations
 
@@ -63,7 +73,6 @@ import cProfile
 import gc
 import io
 import json
-import os
 import pstats
 import shutil
 import sys
@@ -78,12 +87,28 @@ import _common as C  # noqa: E402
 
 RESULT_PATH = C.RESULTS_DIR / "assembler.json"
 TARGETS = {
-    "small_speedup": ">= 5",
-    "large_speedup": ">= 1.0",
+    "routed_max_received_over_writes": "<= 1 (every rank, every case; kernel count, 64 KiB slack)",
+    "routed_received_over_snapshot_mp2": "<= 0.6 (all ranks' kernel received / snapshot, mp2 meshes)",
+    "routed_over_seed_seconds_4ranks": "<= 0.6 (every 4-rank case)",
+    "routed_over_seed_seconds_8ranks": "<= 0.6 (every 8-rank case)",
     "plan_50k_seconds - aoa_50k_seconds": "<= 5",
     "replan_50k_seconds": "<= 0.5",
 }
 LAYERS, EXPERTS = 64, 256
+KERNEL_SLACK = 64 * 2**10  # barrier, store and gloo bookkeeping bytes inside a measured window
+
+# name: launch shape (nproc) and assembler_ranks.py arguments
+CASES = {
+    "mp2xpp2": dict(nproc=4, mp=2, pp=2),
+    "mp4": dict(nproc=4, mp=4),
+    "dp2xmp2": dict(nproc=4, dp=2, mp=2),
+    "ep4": dict(nproc=4, mp=4, experts="model"),
+    "ep_data_dp2xmp2": dict(nproc=4, dp=2, mp=2, experts="data"),
+    "mp2xpp4": dict(nproc=8, mp=2, pp=4),
+    "ep_data_dp2xpp2xmp2": dict(nproc=8, dp=2, pp=2, mp=2, experts="data"),
+}
+MP2_MESHES = ("mp2xpp2", "dp2xmp2", "mp2xpp4")  # target (2): meshes that are mp2 (x pp)
+STORE_ABORT = "uv__finish_close"  # Paddle's TCPStore abort at start-up (CPU_CLUSTER.md): retried once
 
 
 # ---- part B: the planner, in a child process ----------------------------------------------------
@@ -234,89 +259,201 @@ def planner_child(reps: int) -> dict:
     }
 
 
-# ---- part A: the launch ----------------------------------------------------------------------------
-def run_assembly(reps: int, timeout: float, profile: bool) -> dict:
+# ---- part A: one launch per case -------------------------------------------------------------------
+def case_args(spec: dict, size: str, reps: int, max_shard: str = "", iface: str = "") -> list:
+    args = ["--size", size, "--reps", str(reps)]
+    for k in ("dp", "mp", "pp"):
+        args += [f"--{k}", str(spec.get(k, 1))]
+    args += ["--experts", spec.get("experts", "none")]
+    if max_shard:
+        args += ["--max-shard-size", max_shard]
+    if iface:
+        args += ["--iface", iface]
+    return args
+
+
+def launch_case(name: str, spec: dict, size: str, reps: int, timeout: float, max_shard: str = "") -> dict:
     sys.path.insert(0, str(REPO / "tests" / "multirank"))
     import harness
 
-    log_dir = tempfile.mkdtemp(prefix="pfc_bench_asm_")
-    prof_dir = os.path.join(log_dir, "profiles")
-    args = ["--cases", "small,large", "--reps", str(reps)]
-    if profile:
-        args += ["--profile-dir", prof_dir]
-    res = harness.run_launch(BENCH / "assembler_ranks.py", args, nproc=4, log_dir=log_dir, timeout=timeout)
-    tagged = res.tagged("ASMBENCH")
-    if res.rc != 0 or res.timed_out or len(tagged) != 4:
-        raise RuntimeError("assembler launch failed:\n" + res.describe())
-    per_rank = {rank: d for rank, d in tagged}
-    out = {"launch_seconds": res.seconds, "log_dir": log_dir, "profile_dir": prof_dir if profile else None,
-           "mesh": per_rank[0]["mesh"], "cases": {}}
-    for case, c0 in per_rank[0]["cases"].items():
-        variants = {}
-        for v in c0["reps"]:
-            nrep = len(c0["reps"][v])
-            rank0 = [c0["reps"][v][i]["seconds"] for i in range(nrep)]
-            mx = [max(per_rank[r]["cases"][case]["reps"][v][i]["seconds"] for r in per_rank) for i in range(nrep)]
-            entry = {"median_seconds_max_over_ranks": C.median(mx), "median_seconds_rank0": C.median(rank0),
-                     "seconds_max_over_ranks": mx, "seconds_rank0": rank0,
-                     "warmup_seconds_rank0": c0["warmup"][v]["seconds"]}
-            if v != "paddle":
-                reps0 = c0["reps"][v]
-                entry["median_run_seconds_rank0"] = C.median([x["run_seconds"] for x in reps0])
-                entry["median_run_seconds_max_over_ranks"] = C.median(
-                    [max(per_rank[r]["cases"][case]["reps"][v][i]["run_seconds"] for r in per_rank) for i in range(nrep)])
-                for k in ("gather_seconds", "dmap_seconds", "asm_init_seconds"):
-                    entry[f"median_{k}_rank0"] = C.median([x[k] for x in reps0])
-                for k in ("collectives", "rounds", "gather_rounds", "bcast_rounds", "items", "bytes_moved",
-                          "bucket_bytes", "targets", "kept", "yielded"):
-                    entry[k] = reps0[0][k]
-            variants[v] = entry
-        p, b = variants["paddle"], variants["builtin"]
-        out["cases"][case] = {
-            "tensors": c0["tensors"], "global_shape": c0["global_shape"], "global_bytes": c0["global_bytes"],
-            "local_bytes_per_rank": {r: per_rank[r]["cases"][case]["local_bytes"] for r in per_rank},
-            "speedup": p["median_seconds_max_over_ranks"] / b["median_seconds_max_over_ranks"],
-            "speedup_rank0": p["median_seconds_rank0"] / b["median_seconds_rank0"],
-            "speedup_run_loop_only": p["median_seconds_max_over_ranks"] / b["median_run_seconds_max_over_ranks"],
-            "check_rank0": c0["check"],
-            "checks_all_ranks_ok": all(all(val for k, val in per_rank[r]["cases"][case]["check"].items() if k != "method" and k != "names_compared")
-                                       for r in per_rank),
-            "paddle_collectives": c0.get("paddle_collectives"),
-            "variants": variants,
-            "profile_rank0": c0.get("profile"),
+    for attempt in range(2):
+        log_dir = tempfile.mkdtemp(prefix=f"pfc_bench_asm_{name}_")
+        res = harness.run_launch(BENCH / "assembler_ranks.py", ["--case", name, *case_args(spec, size, reps, max_shard)],
+                                 nproc=spec["nproc"], log_dir=log_dir, timeout=timeout)
+        tagged = res.tagged("ASMBENCH")
+        if res.rc == 0 and not res.timed_out and len(tagged) == spec["nproc"]:
+            break
+        if attempt == 0 and (STORE_ABORT in res.output or any(STORE_ABORT in t for t in res.logs.values())):
+            continue
+        raise RuntimeError(f"case {name}: launch failed:\n" + res.describe())
+    return summarize_case({rank: d for rank, d in tagged}, res.seconds, log_dir)
+
+
+def _median_of(reps: list, path: tuple):
+    vals = []
+    for r in reps:
+        x = r
+        for k in path:
+            x = x.get(k) if isinstance(x, dict) else None
+        if x is not None:
+            vals.append(x)
+    return C.median(vals) if vals else None
+
+
+def summarize_case(per_rank: dict, launch_seconds: float, log_dir: str) -> dict:
+    """Per variant and rank: kernel / own / predicted / floor bytes and seconds; per variant: the slowest
+    rank's median seconds, totals, and the warm-up's checks (bytes and coverage)."""
+    r0 = per_rank[min(per_rank)]
+    out = {k: r0[k] for k in ("size", "dims", "degrees", "experts")}
+    out.update(ranks=len(per_rank), launch_seconds=launch_seconds, log_dir=log_dir,
+               meshes=sorted({tuple(map(tuple, d["mesh"])) for d in per_rank.values()}),
+               nodes=r0["nodes"], routed_groups=r0.get("routed_groups"), held_bytes={r: d["held_bytes"] for r, d in per_rank.items()},
+               setup_seconds_max=max(d["setup_seconds"] for d in per_rank.values()), variants={})
+    for v, e0 in r0["variants"].items():
+        snapshot = e0["plan"]["snapshot_bytes"]
+        out["snapshot_bytes"] = snapshot
+        not_run = [d["variants"][v].get("not_run") for d in per_rank.values() if d["variants"][v].get("not_run")]
+        if not_run:
+            out["variants"][v] = {"not_run": not_run[0]}
+            continue
+        ranks, kept_all = {}, []
+        for r, d in sorted(per_rank.items()):
+            e = d["variants"][v]
+            plan, reps = e["plan"], e["reps"]
+            kept_all += e["check"]["kept_names"]
+            own = v != "paddle"
+            ranks[r] = {
+                "kernel_received": _median_of(reps, ("kernel", "received")),
+                "kernel_sent": _median_of(reps, ("kernel", "sent")),
+                "kernel_received_after_barrier": _median_of(reps, ("kernel_after_barrier", "received")),
+                "own_received": _median_of(reps, ("traffic", "received")) if own else None,
+                "own_sent": _median_of(reps, ("traffic", "sent")) if own else None,
+                "predicted_received": plan.get("predicted_received"),
+                "predicted_sent": plan.get("predicted_sent"),
+                "floor_received": plan["floor_received"],
+                "writes_bytes": plan["writes_bytes"],
+                "files_here": len(plan["files_here"]),
+                "seconds": _median_of(reps, ("seconds",)),
+                "seconds_reps": [x["seconds"] for x in reps],
+                "warmup_seconds": e["warmup"]["seconds"],
+                "plan_seconds": plan["plan_seconds"],
+                "matches_full_tensors": e["check"]["matches_full_tensors"],
+                "kept_as_planned": e["check"]["kept_as_planned"],
+            }
+            if plan.get("predicted_received") is not None:
+                ranks[r]["predicted_received_cross_node"] = plan.get("predicted_received_cross_node")
+                ranks[r]["own_received_cross_node"] = _median_of(reps, ("traffic", "received_cross_node"))
+            if e["reps"] and e["reps"][0].get("iface_before"):
+                ranks[r]["iface_delta"] = [{k: x["iface_after"][k] - x["iface_before"][k] for k in x["iface_before"]}
+                                           for x in reps]
+            errors = [x["error"] for x in reps if x.get("error")]
+            if errors:
+                ranks[r]["errors"] = errors[:3]
+        nrep = min(len(d["variants"][v]["reps"]) for d in per_rank.values())
+        slowest = [max(per_rank[r]["variants"][v]["reps"][i]["seconds"] for r in per_rank) for i in range(nrep)]
+        names = set(kept_all)
+        total = lambda k: sum(x[k] for x in ranks.values()) if all(x[k] is not None for x in ranks.values()) else None  # noqa: E731
+        out["variants"][v] = {
+            "median_seconds": C.median(slowest) if slowest else None,
+            "seconds_slowest_rank": slowest,
+            "files": e0["plan"]["files"], "balance": e0["plan"]["balance"], "balance_note": e0["plan"]["balance_note"],
+            "bucket_bytes": e0["plan"]["bucket_bytes"],
+            "total": {k: total(k) for k in ("kernel_received", "kernel_sent", "own_received", "own_sent",
+                                            "predicted_received", "floor_received", "writes_bytes")},
+            "check": {"same_bytes_as_full_tensors": all(x["matches_full_tensors"] for x in ranks.values()),
+                      "kept_as_planned": all(x["kept_as_planned"] for x in ranks.values()),
+                      "covers_snapshot_once": len(kept_all) == len(names) == e0["plan"]["snapshot_tensors"],
+                      "tensors_kept": len(kept_all)},
+            "per_rank": ranks,
         }
+    seed, routed, paddle = (out["variants"].get(k, {}) for k in ("seed", "routed", "paddle"))
+    if seed.get("median_seconds") and routed.get("median_seconds"):
+        out["routed_over_seed_seconds"] = routed["median_seconds"] / seed["median_seconds"]
+    if seed.get("median_seconds") and paddle.get("median_seconds"):
+        out["paddle_over_seed_seconds"] = paddle["median_seconds"] / seed["median_seconds"]
+    for v, e in out["variants"].items():
+        if e.get("total") and e["total"]["kernel_received"] is not None:
+            e["kernel_received_over_snapshot"] = e["total"]["kernel_received"] / out["snapshot_bytes"]
+    if routed.get("per_rank"):
+        out["routed_max_received_over_writes"] = max(
+            (x["kernel_received"] - KERNEL_SLACK) / x["writes_bytes"] if x["writes_bytes"] else
+            (0.0 if x["kernel_received"] <= KERNEL_SLACK else float("inf")) for x in routed["per_rank"].values())
+        out["routed_own_received_le_writes"] = all(x["own_received"] <= x["writes_bytes"] for x in routed["per_rank"].values())
+        out["routed_own_equals_predicted_equals_floor"] = all(
+            x["own_received"] == x["predicted_received"] == x["floor_received"] for x in routed["per_rank"].values())
     return out
 
 
 def print_table(result: dict) -> None:
     a = result.get("assembly")
     if a:
-        print(f"{'case':6} {'variant':18} {'median s (max rk)':>18} {'rank0 s':>9} {'run loop s':>11} {'colls':>6} {'MB moved':>9}")
+        mb = lambda x: f"{x / 2**20:8.2f}" if isinstance(x, (int, float)) else f"{'-':>8}"  # noqa: E731
+        print(f"size {a['size']}; MiB per rank: kernel rx / own rx / predicted rx / floor / writes; kernel tx; median s")
         for case, c in a["cases"].items():
+            print(f"== {case} ({c['ranks']} ranks, snapshot {c['snapshot_bytes'] / 2**20:.2f} MiB)"
+                  + (f" routed/seed time {c['routed_over_seed_seconds']:.2f}" if "routed_over_seed_seconds" in c else ""))
             for v, e in c["variants"].items():
-                print(f"{case:6} {v:18} {e['median_seconds_max_over_ranks']:18.3f} {e['median_seconds_rank0']:9.3f} "
-                      f"{e.get('median_run_seconds_max_over_ranks', float('nan')):11.3f} "
-                      f"{e.get('collectives', sum((c['paddle_collectives'] or {}).values())):6d} "
-                      + (f"{e['bytes_moved'] / 2**20:9.1f}" if "bytes_moved" in e else f"{'-':>9}"))
-            print(f"{case:6} speedup paddle/builtin = {c['speedup']:.2f} (rank 0: {c['speedup_rank0']:.2f}); "
-                  f"bit-identical: {c['check_rank0'].get('bit_identical')}")
+                if "not_run" in e:
+                    print(f"  {v:7} not run: {e['not_run'][:100]}")
+                    continue
+                print(f"  {v:7} {e['median_seconds']:.3f} s  received {e.get('kernel_received_over_snapshot', 0):.2f}x "
+                      f"snapshot  bytes ok {e['check']['same_bytes_as_full_tensors']} covered {e['check']['covers_snapshot_once']}")
+                for r, x in e["per_rank"].items():
+                    print(f"    rank {r}: {mb(x['kernel_received'])} {mb(x['own_received'])} {mb(x['predicted_received'])} "
+                          f"{mb(x['floor_received'])} {mb(x['writes_bytes'])}  tx {mb(x['kernel_sent'])}  {x['seconds']:.3f} s")
     p = result.get("planner")
     if p:
         print(f"planner {p['tensors']} tensors: AOAEngine {p['aoa_engine_seconds']:.2f} s, +find_shard_sources "
               f"{p['aoa_50k_seconds']:.2f} s; plan {p['plan_50k_seconds']:.2f} s "
               f"(plan - aoa = {p['plan_50k_seconds'] - p['aoa_50k_seconds']:.2f} s); replan {p['replan_50k_seconds']:.4f} s")
     for k, m in result["met"].items():
-        print(f"  {k}: {result['figures'].get(k)!s:>8}  target {TARGETS[k]:7} met={m}")
+        print(f"  {k}: {result['figures'].get(k)!s:>8}  target {TARGETS[k]}  met={m}")
+
+
+def figures_of(result: dict) -> tuple:
+    figures, met = {}, {}
+    a, p = result.get("assembly"), result.get("planner")
+    if a and a.get("cases"):
+        cases = a["cases"]
+        worst = [c["routed_max_received_over_writes"] for c in cases.values() if "routed_max_received_over_writes" in c]
+        if worst:
+            figures["routed_max_received_over_writes"] = round(max(worst), 4)
+            met["routed_max_received_over_writes"] = max(worst) <= 1 and all(
+                c.get("routed_own_received_le_writes", True) for c in cases.values())
+        mp2 = [c["variants"]["routed"]["kernel_received_over_snapshot"] for n, c in cases.items()
+               if n in MP2_MESHES and "kernel_received_over_snapshot" in c["variants"].get("routed", {})]
+        if mp2:
+            figures["routed_received_over_snapshot_mp2"] = round(max(mp2), 4)
+            met["routed_received_over_snapshot_mp2"] = max(mp2) <= 0.6
+        for world in (4, 8):
+            ratios = [c["routed_over_seed_seconds"] for c in cases.values()
+                      if c["ranks"] == world and "routed_over_seed_seconds" in c]
+            if ratios:
+                k = f"routed_over_seed_seconds_{world}ranks"
+                figures[k] = round(max(ratios), 3)
+                met[k] = max(ratios) <= 0.6
+        figures["bytes_checks_ok"] = all(e["check"]["same_bytes_as_full_tensors"] and e["check"]["covers_snapshot_once"]
+                                         for c in cases.values() for e in c["variants"].values() if "check" in e)
+    if p:
+        figures["aoa_50k_seconds"] = round(p["aoa_50k_seconds"], 3)
+        figures["plan_50k_seconds"] = round(p["plan_50k_seconds"], 3)
+        figures["replan_50k_seconds"] = round(p["replan_50k_seconds"], 4)
+        figures["plan_50k_seconds - aoa_50k_seconds"] = round(p["plan_50k_seconds"] - p["aoa_50k_seconds"], 3)
+        met["plan_50k_seconds - aoa_50k_seconds"] = figures["plan_50k_seconds - aoa_50k_seconds"] <= 5
+        met["replan_50k_seconds"] = figures["replan_50k_seconds"] <= 0.5
+    return figures, met
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per variant in the launch")
+    ap.add_argument("--size", default="small", choices=("small", "full"))
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per variant in each launch")
+    ap.add_argument("--max-shard-size", default="", help="export.max_shard_size (default: 1MB small, 4MB full)")
     ap.add_argument("--planner-reps", type=int, default=3)
-    ap.add_argument("--timeout", type=float, default=900, help="seconds before the launch is killed")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds before a launch is killed")
     ap.add_argument("--skip-launch", action="store_true")
     ap.add_argument("--skip-planner", action="store_true")
-    ap.add_argument("--no-profile", action="store_true", help="no cProfile pass in the launch")
     ap.add_argument("--child-planner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(RESULT_PATH))
     ns = ap.parse_args()
@@ -326,54 +463,49 @@ def main():
         return
 
     t0 = time.perf_counter()
+    previous = {}
+    if Path(ns.out).exists():
+        try:
+            previous = json.loads(Path(ns.out).read_text())
+        except ValueError:
+            previous = {}
     result = {"benchmark": "assembler", "date": C.now_iso(), "git": C.git_commit(), "machine": C.machine_info(),
               "targets": TARGETS}
     if not ns.skip_launch:
-        result["assembly"] = run_assembly(ns.reps, ns.timeout, not ns.no_profile)
+        cases = {}
+        for name in ns.cases.split(","):
+            print(f"case {name} ({ns.size}) ...", file=sys.stderr, flush=True)
+            cases[name] = launch_case(name, CASES[name], ns.size, ns.reps, ns.timeout, ns.max_shard_size)
+        result["assembly"] = {"size": ns.size, "reps": ns.reps, "cases": cases}
+    elif isinstance(previous.get("assembly"), dict) and "cases" in previous["assembly"]:
+        result["assembly"] = dict(previous["assembly"], carried_over_from=previous.get("date"))
     if not ns.skip_planner:
         result["planner"] = C.run_child([str(Path(__file__).resolve()), "--child-planner", "--planner-reps",
                                          str(ns.planner_reps)], timeout=900)
-    figures, met = {}, {}
-    a, p = result.get("assembly"), result.get("planner")
-    if a:
-        figures["small_speedup"] = round(a["cases"]["small"]["speedup"], 3)
-        figures["large_speedup"] = round(a["cases"]["large"]["speedup"], 3)
-        met["small_speedup"] = figures["small_speedup"] >= 5
-        met["large_speedup"] = figures["large_speedup"] >= 1.0
-    if p:
-        figures["aoa_50k_seconds"] = round(p["aoa_50k_seconds"], 3)
-        figures["plan_50k_seconds"] = round(p["plan_50k_seconds"], 3)
-        figures["replan_50k_seconds"] = round(p["replan_50k_seconds"], 4)
-        figures["plan_50k_seconds - aoa_50k_seconds"] = round(p["plan_50k_seconds"] - p["aoa_50k_seconds"], 3)
-        met["plan_50k_seconds - aoa_50k_seconds"] = figures["plan_50k_seconds - aoa_50k_seconds"] <= 5
-        met["replan_50k_seconds"] = figures["replan_50k_seconds"] <= 0.5
-    result = {**{k: figures[k] for k in ("small_speedup", "large_speedup", "aoa_50k_seconds", "plan_50k_seconds",
-                                         "replan_50k_seconds") if k in figures},
+    elif "planner" in previous:
+        result["planner"] = dict(previous["planner"], carried_over_from=previous.get("date"))
+    figures, met = figures_of(result)
+    headline = ("routed_max_received_over_writes", "routed_received_over_snapshot_mp2", "routed_over_seed_seconds_4ranks",
+                "routed_over_seed_seconds_8ranks", "aoa_50k_seconds", "plan_50k_seconds", "replan_50k_seconds")
+    result = {**{k: figures[k] for k in headline if k in figures},
               "figures": figures, "met": met, "all_met": all(met.values()), **result}
     result["notes"] = [
-        "speedup = median paddle seconds / median builtin seconds, both the max over the 4 ranks per repetition "
-        "(speedup_rank0 uses rank 0's seconds); builtin seconds include the metadata exchange, the AOA mapping "
-        "and the MeshAssembler planning (speedup_run_loop_only: the .run() loop alone).",
-        "builtin uses the default topology.bucket_bytes (2MB), what ExportSession passes; "
-        "builtin_bucket8MB / builtin_bucket128MB are the same assembler with larger buckets, for diagnosis "
-        "(128MB was the first default: large_speedup 0.42).",
-        "aoa_50k_seconds = AOAEngine construction + find_shard_sources for every destination, because "
-        "build_destination_map calls find_shard_sources; aoa_engine_seconds is the construction alone.",
-        "replan_50k_seconds = median of 3 cached prepare() calls after each first plan.",
-        "2 shared cores for 4 ranks: absolute seconds are noisy; compare ratios measured in the same run.",
+        "kernel_received / kernel_sent: the sum of bytes_received / bytes_acked over the TCP sockets of the rank's own "
+        "pid (ss -tinpH), sampled after a barrier right before the assembly and right after it; loopback counts. "
+        "kernel_received_after_barrier: the same after the closing barrier (includes the barrier's bytes).",
+        "own_received / own_sent: the assembler's own count (stream_tensors' traffic = asm.stats); the seed "
+        "MeshAssembler counts a ring all-gather's n-1 parts of every padded round buffer.",
+        "predicted_received: RoutePlan.traffic[rank].received (routed only). floor_received: bytes the destinations the "
+        "rank writes read that the rank does not hold, each distinct piece once, from the shard records and the "
+        "mapping (for seed and paddle, of the seed schedule's files).",
+        "paddle: every rank of a mesh assembles every tensor (Paddle's full_param), the rank keeps its own files'; "
+        "no own count.",
+        "median_seconds: median over repetitions of the slowest rank's seconds; each rank times stream_tensors "
+        "(replica-digest exchange + assembly, no writer) after a barrier; planning is done once, untimed "
+        "(plan_seconds per rank).",
+        "routed_max_received_over_writes: max over ranks and cases of (kernel received - 64 KiB) / bytes written.",
+        "2 shared cores for up to 8 ranks: absolute seconds are noisy; compare ratios measured in the same launch.",
     ]
-    if a:
-        large = a["cases"]["large"]
-        pv = large["variants"]["paddle"]["median_seconds_max_over_ranks"]
-        result["large_diagnostics"] = {
-            "speedup_by_bucket_bytes": {str(e["bucket_bytes"]): round(pv / e["median_seconds_max_over_ranks"], 3)
-                                        for v, e in large["variants"].items() if v == "builtin" or v.startswith("builtin_bucket")},
-            "bytes_moved_over_payload": {v: round(e["bytes_moved"] / large["global_bytes"], 3)
-                                         for v, e in large["variants"].items() if "bytes_moved" in e},
-            "explanation": "a gather round pads every rank's buffer to the largest rank's bytes; replicated "
-                           "slices are always sent by their lowest holder, so ranks of mp index 0 send more and "
-                           "the others pad. Slices larger than the bucket go as broadcasts (no padding).",
-        }
     result["total_seconds"] = time.perf_counter() - t0
     C.write_json(Path(ns.out), result)
     print_table(result)

@@ -211,6 +211,7 @@ def prepare_variant(variant: str, ctx, source, sd, common: list) -> dict:
         "kept": len(keep),
         "writes_bytes": sum(p.plan.slots[n].nbytes for n in keep),
         "snapshot_bytes": sum(p.plan.slots[n].nbytes for n in p.order),
+        "snapshot_tensors": len(p.order),
         "floor_received": floor_received(p.records, p.dmap, sorted(keep), ctx.rank),
         "balance": p.balance, "balance_note": p.balance_note,
         "bucket_bytes": config.topology.bucket_for(1 if variant == "routed" else ctx.mesh.size),
@@ -305,6 +306,7 @@ def main():
         "rank": rank, "case": ns.case, "size": ns.size, "dims": dims, "degrees": dict(dp=ns.dp, mp=ns.mp, pp=ns.pp),
         "experts": ns.experts, "pid": os.getpid(), "mesh": [list(r) for r in ctx.mesh.rows], "mesh_index": ctx.mesh.index,
         "nodes": list(ctx.nodes), "pod": os.environ.get("POD_NAME"), "iface": ns.iface or None,
+        "routed_groups": type(getattr(ctx, "pair_groups", None)).__name__,
         "held_bytes": int(sum(int(sw.local_tensor.numel()) * 4 for sw in sd.values())),
         "setup_seconds": None, "variants": {},
     }
