@@ -85,8 +85,13 @@ def no_delay() -> int:
         return 0
     for fd in fds:
         try:
-            s = socket.socket(fileno=os.dup(fd))
+            dup = os.dup(fd)
         except OSError:
+            continue
+        try:
+            s = socket.socket(fileno=dup)
+        except OSError:  # not a socket: the duplicate is ours to close
+            os.close(dup)
             continue
         try:
             if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:

@@ -25,3 +25,17 @@ def test_no_delay_sets_tcp_nodelay_on_every_tcp_socket_and_leaves_them_open():
     finally:
         for s in (client, accepted, server, udp):
             s.close()
+
+
+def test_no_delay_leaves_no_descriptor_behind(tmp_path):
+    import os
+
+    files = [open(tmp_path / f"f{i}", "w") for i in range(5)]  # descriptors that are not sockets
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(20):
+            no_delay()
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        for f in files:
+            f.close()
