@@ -31,7 +31,8 @@ TRANSPOSED = re.compile(r"(_proj\.weight|^lm_head\.weight)$")
 TOPOLOGIES = {
     # a 1KB bucket: most slices travel as broadcasts, the small ones in many gather rounds
     "mp2xpp2": (["--mp", "2", "--pp", "2", "--paddle", "--seed", "--bucket", "1KB"], 1, True),
-    "dp2xmp2": (["--dp", "2", "--mp", "2", "--paddle", "--seed"], 2, True),
+    # a bfloat16 snapshot of float32 parameters: the holders cast before the bytes travel
+    "dp2xmp2": (["--dp", "2", "--mp", "2", "--paddle", "--seed", "--dtype", "bfloat16"], 2, True),
     # bf16 parameters: the mesh path moves and stitches bfloat16 slices
     "sharding2xmp2": (["--sharding", "2", "--mp", "2", "--param-dtype", "bfloat16"], 2, False),
     "dp4": (["--dp", "4", "--dtype", "bfloat16"], 4, False),

@@ -32,9 +32,11 @@ from .device import DeviceBoundary
 from .mapping import DestinationMap, MappingError
 
 
-def holdings_of(records) -> List[Holding]:
-    """The routing's view of the shard records (``mesh.ShardRecord``)."""
-    return [Holding(r.rank, r.key, tuple(r.offset), tuple(r.shape), _dtypes.lookup(r.dtype).itemsize)
+def holdings_of(records, cast: Optional[Mapping[str, str]] = None) -> List[Holding]:
+    """The routing's view of the shard records (``mesh.ShardRecord``); ``cast``: key -> the dtype its holders
+    cast it to before it travels (its bytes are counted in that dtype)."""
+    cast = cast or {}
+    return [Holding(r.rank, r.key, tuple(r.offset), tuple(r.shape), _dtypes.lookup(cast.get(r.key, r.dtype)).itemsize)
             for r in records]
 
 
@@ -59,12 +61,15 @@ class RoutedAssembler:
         node_of: rank -> node, for the cross-node counts.
         transforms: source key -> fn(host array, dtype) -> the array to export (a LoRA merge).
         on_packet: called after each packet (the watchdog's beat).
+        early_cast: source keys cast to ``export_dtype`` where they are held, before they travel or are used
+            (``local.castable_early``: every destination reading them is the whole source, maybe transposed);
+            ``source_dtypes`` gives them as that dtype.
     """
 
     def __init__(self, sharded_state_dict, dmap: DestinationMap, plan: RoutePlan, keep: Sequence[str], rank: int,
                  groups=None, export_dtype: str = "keep", transforms=None, boundary: Optional[DeviceBoundary] = None,
                  node_of: Optional[Mapping[int, object]] = None, source_dtypes: Mapping[str, str] = (),
-                 on_packet=None):
+                 on_packet=None, early_cast: Iterable[str] = ()):
         self.sd = sharded_state_dict
         self.dmap, self.plan, self.rank, self.groups = dmap, plan, rank, groups
         self.keep = list(keep)
@@ -83,6 +88,7 @@ class RoutedAssembler:
         self._partial: Dict[int, np.ndarray] = {}  # a large move being received, flat
         self._outgoing: Tuple[int, Optional[np.ndarray]] = (-1, None)  # a large move being sent, flat
         self.source_dtypes = dict(source_dtypes)
+        self.early = set(early_cast)
         self.on_packet = on_packet or (lambda: None)
         self.errors: List[str] = []
         self._local: Dict[str, Tuple[object, str]] = {}
@@ -99,7 +105,8 @@ class RoutedAssembler:
     def _source(self, key: str):
         held = self._local.get(key)
         if held is None:
-            arr, dtype = self.boundary.host_array(self.sd[key].local_tensor)
+            cast = self.export_dtype if key in self.early else None
+            arr, dtype = self.boundary.host_array(self.sd[key].local_tensor, cast_to=cast)
             fn = self.transforms.get(key)
             if fn is not None:
                 arr = fn(arr, dtype)

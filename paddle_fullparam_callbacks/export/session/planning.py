@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 
 from ... import _faults
 from ...assemble.device import on_device
+from ...assemble.local import castable_early
 from ...assemble.mapping import DestinationMap, MappingError, apply_export_dtype, build_destination_map, padding_destinations
 from ...assemble.mesh import BCAST_CHUNK_BYTES, records_from_state_dict, shard_info_from_records, validate_records
 from ...assemble.routed import holdings_of, needs_of
@@ -35,6 +36,7 @@ class PreparedExport:
     routes: Optional[RoutePlan] = None  # topology.schedule=routed, a mesh of several ranks: this mesh's moves
     balance: float = 1.0  # the largest writer's bytes / the mean
     balance_note: str = ""
+    early_cast: frozenset = frozenset()  # routed: source keys their holders cast to export.dtype before sending
 
 
 def digest(obj) -> str:
@@ -106,8 +108,13 @@ def plan_export(ctx, config: FullParamConfig, source: ModelSource, sd: Optional[
         zero_rows = padding_destinations(dmap, padding_rows)
         specs = apply_export_dtype(dmap.specs, config.export.dtype)
         routes, balance, note = None, 1.0, ""
+        early: frozenset = frozenset()
         if config.topology.schedule == "routed" and not from_files and ctx.world_size > 1:
-            needs, holdings = needs_of(dmap, [s.name for s in specs]), holdings_of(records)
+            # sources cast to the snapshot's dtype by their holder, before they travel (bytes of that dtype move)
+            early = frozenset(castable_early(dmap, [s.name for s in specs], config.export.dtype,
+                                             source.local_transforms or {}))
+            needs = needs_of(dmap, [s.name for s in specs])
+            holdings = holdings_of(records, {k: config.export.dtype for k in early})
             placed = plan_placement(specs, needs, holdings, ctx.topology, ctx.mesh.index,
                                     config.export.max_shard_bytes, dict(enumerate(ctx.nodes)))
             plan, writes, balance, note = placed.plan, placed.writes, placed.balance, placed.note
@@ -122,7 +129,7 @@ def plan_export(ctx, config: FullParamConfig, source: ModelSource, sd: Optional[
             plan = build_export_plan(specs, config.export.max_shard_bytes)
             order = [s.name for f in plan.files for s in sorted(f.slots, key=lambda s: s.begin)]
             writes = plan_writes(ctx.topology, [f.total_bytes for f in plan.files])
-        prepared = PreparedExport(world_sig, records, dmap, plan, order, writes, zero_rows, routes, balance, note)
+        prepared = PreparedExport(world_sig, records, dmap, plan, order, writes, zero_rows, routes, balance, note, early)
         plan_digest = digest([[(f.name, f.header) for f in plan.files], writes])
     except Exception as e:  # reported on every rank below, never raised alone
         error = f"{type(e).__name__}: {e}"

@@ -69,7 +69,8 @@ def stream_tensors(ctx, config: FullParamConfig, sd, p: PreparedExport, source: 
     if p.routes is not None:
         asm = RoutedAssembler(sd, p.dmap, p.routes, [n for n in targets if n in keep], ctx.rank, ctx.pair_groups,
                               config.export.dtype, source.local_transforms, boundary, dict(enumerate(ctx.nodes)),
-                              {r.key: r.dtype for r in p.records}, on_packet=beat)
+                              {r.key: (config.export.dtype if r.key in p.early_cast else r.dtype) for r in p.records},
+                              on_packet=beat, early_cast=p.early_cast)
         _check_replicas(ctx, lambda: replica_digests(p.records, ctx.rank, asm.local_bytes))
     else:
         asm = MeshAssembler(sd, p.records, p.dmap, targets, keep, ctx.mesh, ctx.rank, ctx.h_group, ctx.v_group,
