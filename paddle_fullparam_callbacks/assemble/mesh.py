@@ -261,7 +261,8 @@ class MeshAssembler:
         self._pending_uses: Dict[int, int] = {i: len(u) for i, u in self._users.items()}
 
     def whole_local_bytes(self, key: str) -> np.ndarray:
-        """This rank's slice of ``key`` as flat host bytes (transformed: a LoRA merge), for the replica check."""
+        """This rank's slice of ``key`` as flat host bytes (transformed: a LoRA merge): what it sends, and what the
+        replica check hashes."""
         arr, dtype = self.boundary.host_array(self.sd[key].local_tensor)
         fn = self.transforms.get(key)
         if fn is not None:
@@ -271,11 +272,7 @@ class MeshAssembler:
     # ---- communication -------------------------------------------------------------------
     def _local_bytes(self, item: ReadItem) -> np.ndarray:
         """This rank's copy of ``item`` as flat host bytes (a CPU slice is shared; a transformed one is new)."""
-        arr, dtype = self.boundary.host_array(self.sd[item.key].local_tensor)
-        fn = self.transforms.get(item.key)
-        if fn is not None:
-            arr = fn(arr, dtype)
-        return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        return self.whole_local_bytes(item.key)  # an item is always a whole record of this rank
 
     def _pack(self, ids: List[int], width: int) -> np.ndarray:
         buf = np.zeros(width, dtype=np.uint8)

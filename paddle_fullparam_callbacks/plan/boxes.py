@@ -48,7 +48,7 @@ def intersect(a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[int]
     """
     lo = tuple(max(a, b) for a, b in zip(a_off, b_off))
     hi = tuple(min(a + n, b + m) for a, n, b, m in zip(a_off, a_shape, b_off, b_shape))
-    if any(h <= l for l, h in zip(lo, hi)) and len(lo):
+    if any(h <= l for l, h in zip(lo, hi)):
         return None
     return lo, tuple(h - l for l, h in zip(lo, hi))
 
