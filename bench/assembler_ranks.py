@@ -35,6 +35,9 @@ own pid (``ss -tinpH``: ``bytes_received`` and ``bytes_acked`` summed over its s
 before/after) right before and right after the assembly, and once more after the closing barrier;
 with ``--iface``, the interface's ``rx_bytes``/``tx_bytes`` (``/sys/class/net/IFACE/statistics``,
 this rank's network namespace) after the opening barrier and after the closing one.
+
+``PFC_BENCH_PROFILE=DIR`` in the environment: each timed repetition runs under cProfile, its stats in
+``DIR/<variant>-rank<N>-rep<R>.prof`` (``python -m pstats``); the launch passes the variable to every rank.
 """
 from __future__ import annotations
 
@@ -241,6 +244,25 @@ def run_variant(prep: dict, ctx, source, sd, sink=None) -> dict:
     return {"yielded": n, "traffic": traffic}
 
 
+def profiled(fn, name: str):
+    """``fn`` under cProfile when ``PFC_BENCH_PROFILE`` names a folder (stats to ``DIR/NAME.prof``)."""
+    folder = os.environ.get("PFC_BENCH_PROFILE")
+    if not folder:
+        return fn
+
+    def run():
+        import cProfile
+
+        prof = cProfile.Profile()
+        try:
+            return prof.runcall(fn)
+        finally:
+            os.makedirs(folder, exist_ok=True)
+            prof.dump_stats(os.path.join(folder, name + ".prof"))
+
+    return run
+
+
 def timed(fn, iface: str) -> dict:
     """Barrier; counters; ``fn()`` timed; kernel counters right after; barrier; counters again."""
     import paddle.distributed as dist
@@ -338,7 +360,7 @@ def main():
     for rep in range(ns.reps):
         order = runnable[rep % max(1, len(runnable)):] + runnable[:rep % max(1, len(runnable))]
         for v in order:
-            r = timed(lambda: run_variant(preps[v], ctx, source, sd), ns.iface)
+            r = timed(profiled(lambda: run_variant(preps[v], ctx, source, sd), f"{v}-rank{rank}-rep{rep}"), ns.iface)
             r["rep"] = rep
             report["variants"][v]["reps"].append(r)
     dist.barrier()

@@ -20,6 +20,18 @@ import numpy as np
 _ARRIVALS = "paddle_fullparam/arrivals"
 
 
+def _arrive(store, key: str, target: int) -> None:
+    """Count this member in at ``key`` and return once the count reaches ``target``. Polls (a wait inside
+    the store would be bound by the store's timeout): every 1 ms for the first 50 ms, as the peers of a
+    transfer usually arrive within a packet's time of each other, then backing off to 10 ms."""
+    count, delay, waited = store.add(key, 1), 1e-4, 0.0
+    while count < target:
+        time.sleep(delay)
+        waited += delay
+        delay = min(2 * delay, 1e-3 if waited < 0.05 else 0.01)
+        count = store.add(key, 0)
+
+
 def _tensor(arr: np.ndarray):
     import paddle
 
@@ -51,12 +63,7 @@ class HostGroup:
         if self.store is None:
             return
         self._arrivals += 1
-        target = self._arrivals * self.size
-        count, delay = self.store.add(_ARRIVALS, 1), 1e-4
-        while count < target:
-            time.sleep(delay)
-            delay = min(2 * delay, 0.01)
-            count = self.store.add(_ARRIVALS, 0)
+        _arrive(self.store, _ARRIVALS, self._arrivals * self.size)
 
     @property
     def size(self) -> int:
@@ -87,11 +94,7 @@ class HostGroup:
             return
         key = f"{_ARRIVALS}/{src}-{dst}"
         seq = self._pairs[(src, dst)] = self._pairs.get((src, dst), 0) + 1
-        count, delay = self.store.add(key, 1), 1e-4
-        while count < 2 * seq:
-            time.sleep(delay)
-            delay = min(2 * delay, 0.01)
-            count = self.store.add(key, 0)
+        _arrive(self.store, key, 2 * seq)
 
     def send(self, buf: np.ndarray, dst: int) -> None:
         """``buf`` (1-D uint8, C-contiguous) to global rank ``dst``, which calls ``recv`` with a buffer of the

@@ -9,10 +9,11 @@ A piece the writer holds does not move; a piece two destinations of one writer r
 
 Moves travel as **packets** (one point-to-point send each): the small moves between one sender and one
 writer coalesced up to ``bucket_bytes`` in the order the writer uses them, a move larger than
-``chunk_bytes`` cut into chunks. Packets are in **one global order**, the writers' queues taken in
-turn (so every writer's first tensors arrive early), and every rank carries out its own packets in that
-order: with blocking sends and receives that cannot deadlock (the earliest packet not yet done always
-has both its ends waiting for it).
+``chunk_bytes`` cut into chunks. Packets are in **one global order** of rounds, each round a matching
+of the ranks with each of its pairs giving its next packet each way (so disjoint pairs transfer at the
+same time, and every writer's sources advance together through its order of use), and every rank carries
+out its own packets in that order: with blocking sends and receives that cannot deadlock (the earliest
+packet not yet done always has both its ends waiting for it).
 
 Pure: every rank computes the same plan from the same metadata; nothing is negotiated.
 """
@@ -122,7 +123,7 @@ def plan_routes(order: Sequence[str], writer_of: Mapping[str, int], needs: Mappi
 
 
 def _packets(moves: Sequence[Move], bucket_bytes: int, chunk_bytes: int) -> List[Packet]:
-    queues: Dict[int, List[Packet]] = defaultdict(list)  # writer -> its packets, in its order
+    queues: Dict[Tuple[int, int], List[Packet]] = defaultdict(list)  # (sender, writer) -> its packets, in use order
     open_: Dict[Tuple[int, int], List[Move]] = {}
     filled: Dict[Tuple[int, int], int] = defaultdict(int)
 
@@ -130,7 +131,7 @@ def _packets(moves: Sequence[Move], bucket_bytes: int, chunk_bytes: int) -> List
         ms = open_.pop(pair, None)
         filled.pop(pair, None)
         if ms:
-            queues[pair[1]].append(Packet(pair[0], pair[1], tuple(m.id for m in ms), sum(m.nbytes for m in ms)))
+            queues[pair].append(Packet(pair[0], pair[1], tuple(m.id for m in ms), sum(m.nbytes for m in ms)))
 
     for m in moves:  # creation order is the writer's order of use
         pair = (m.src, m.dst)
@@ -138,7 +139,7 @@ def _packets(moves: Sequence[Move], bucket_bytes: int, chunk_bytes: int) -> List
             flush(pair)
             for b in range(0, m.nbytes, chunk_bytes):
                 e = min(b + chunk_bytes, m.nbytes)
-                queues[m.dst].append(Packet(m.src, m.dst, (m.id,), e - b, (b, e)))
+                queues[pair].append(Packet(m.src, m.dst, (m.id,), e - b, (b, e)))
             continue
         if filled[pair] + m.nbytes > bucket_bytes:
             flush(pair)
@@ -146,15 +147,36 @@ def _packets(moves: Sequence[Move], bucket_bytes: int, chunk_bytes: int) -> List
         filled[pair] += m.nbytes
     for pair in list(open_):
         flush(pair)
-    # a packet waits for nothing that a later one brings: within a writer's queue, its own order
+    # a packet waits for nothing that a later one brings: within a pair's queue, the writer's order
     for q in queues.values():
         q.sort(key=lambda p: min(p.moves))
+    return _in_rounds(queues)
+
+
+def _in_rounds(queues: Dict[Tuple[int, int], List[Packet]]) -> List[Packet]:
+    """The pairs' queues in one global order of rounds: each round a matching of the ranks (the circle
+    method: every pair meets once in ``n - 1`` rounds of ``n / 2`` disjoint pairs), each pair of the round
+    giving its next packet each way. Consecutive packets of disjoint pairs run at the same time, so a rank
+    waits only for its own peer, and each writer's sources advance together through its order of use."""
+    ranks = sorted({r for pair in queues for r in pair})
+    if len(ranks) % 2:
+        ranks.append(None)  # a bye
+    n = len(ranks)
+    matchings = []
+    for k in range(n - 1):
+        circle = ranks[:1] + ranks[1:][k:] + ranks[1:][:k]
+        matchings.append([(circle[i], circle[n - 1 - i]) for i in range(n // 2)])
+    heads = {pair: 0 for pair in queues}
     out: List[Packet] = []
-    writers = sorted(queues)
-    k = 0
-    while any(k < len(queues[w]) for w in writers):
-        out.extend(queues[w][k] for w in writers if k < len(queues[w]))
-        k += 1
+    total = sum(len(q) for q in queues.values())
+    while len(out) < total:
+        for matching in matchings:
+            for a, b in matching:
+                for pair in ((a, b), (b, a)):
+                    q = queues.get(pair)
+                    if q and heads[pair] < len(q):
+                        out.append(q[heads[pair]])
+                        heads[pair] += 1
     return out
 
 
