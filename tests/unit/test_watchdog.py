@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -99,3 +100,33 @@ def test_a_collective_that_fails_with_every_peer_alive_adds_nothing(tmp_path, ca
         pass
     assert not [r for r in caplog.records if "failed after" in r.getMessage()] and codes == []
     wd.close()
+
+
+def test_when_one_watchdog_ends_the_job_every_waiting_rank_says_what_it_waited_for(tmp_path, caplog):
+    """Rank 0's clock runs out first; rank 1, waiting with a clock of 30 s in another collective, sees the
+    mark rank 0 leaves before the launcher would stop it, names the stopped rank 2 the same way, and ends."""
+    first, fired0, codes0 = _watchdog(tmp_path, rank=0, timeout=0.3)
+    (tmp_path / "ended").write_text(json.dumps({"rank": 1, "time": 0}))  # an earlier job's mark: rank 1 clears it
+    other, fired1, codes1 = _watchdog(tmp_path, rank=1, timeout=30)
+    assert not (tmp_path / "ended").exists()
+    now = time.time()
+    (tmp_path / "rank-2").write_text(json.dumps({"what": "assembly", "entered": now - 100, "alive": now - 100}))
+    first.step = other.step = 4
+    done = threading.Event()
+
+    def rank1():
+        with other.waiting("assembly", [1, 2]):
+            done.wait(20)
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    try:
+        with first.waiting("status exchange", [0, 1]):
+            assert fired0.wait(10) and fired1.wait(10)
+    finally:
+        done.set()
+        t.join()
+    assert codes0 == codes1 == [EXIT_CODE]
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert re.search(r"rank 1's 'assembly' \(step 4\) failed after \d+ s \(rank 0's watchdog is ending the job\), "
+                     r"waiting for rank\(s\) \[2\] \(rank 2 not responding", message), message

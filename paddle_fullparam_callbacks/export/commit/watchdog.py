@@ -10,6 +10,11 @@ progress since, releases the output directory's lock, and ends the process with
 :data:`EXIT_CODE`, so that ``paddle.distributed.launch`` stops the whole job. Whatever export was
 in flight stays a hidden staging directory, removed by the next job.
 
+When a watchdog fires, it first leaves a mark (``ended`` in the progress directory) and gives the other
+ranks two of its periods before it ends its process: every rank still waiting in a collective sees the
+mark, says what it was waiting for and for whom (the same diagnosis), and ends too. Without it, the
+ranks whose own clocks had not run out yet would be stopped by the launcher without a word.
+
 Peers are named from small progress files (``<output_dir>/.fullparam-progress/rank-N``, on the
 filesystem every rank shares for the snapshot): each rank's watchdog thread rewrites its own
 every second with the collective the rank is in. A peer whose file went stale is not running
@@ -32,6 +37,7 @@ logger = logging.getLogger("paddle_fullparam_callbacks")
 
 EXIT_CODE = 75  # EX_TEMPFAIL: the job may be restarted
 PROGRESS_DIR = ".fullparam-progress"
+ENDED = "ended"  # in PROGRESS_DIR: the first watchdog to fire is ending the job
 
 
 class Watchdog:
@@ -51,6 +57,11 @@ class Watchdog:
         self._active = None  # (what, peers, since_wall, last_progress_monotonic)
         self._guard = threading.Lock()
         self._stop = threading.Event()
+        if self.progress_dir is not None:  # an earlier job's mark (none of this job's ranks has waited timeout_s yet)
+            try:
+                (self.progress_dir / ENDED).unlink()
+            except OSError:
+                pass
         self._thread = threading.Thread(target=self._run, name="pfc-watchdog", daemon=True)
         self._thread.start()
 
@@ -144,9 +155,25 @@ class Watchdog:
             self._record()  # the heartbeat peers look at
             with self._guard:
                 active = self._active
-            if active is not None and time.monotonic() - active[3] > self.timeout_s:
+            if active is None:
+                continue
+            if time.monotonic() - active[3] > self.timeout_s:
                 self._expire(*active)
                 return
+            ended = self._ended_by()
+            if ended is not None:
+                self._end_with(ended, *active)
+                return
+
+    def _ended_by(self) -> Optional[int]:
+        """The rank whose watchdog is ending the job (its mark), if another's is."""
+        if self.progress_dir is None:
+            return None
+        try:
+            rank = int(json.loads((self.progress_dir / ENDED).read_text())["rank"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return None if rank == self.rank else rank
 
     def peers_report(self, peers: List[int], since: float) -> Tuple[List[int], str]:
         """(the peers holding this rank up, where every peer is) from their progress files."""
@@ -177,6 +204,31 @@ class Watchdog:
                    f"'{what}' (step {self.step}), waiting for {who}{f' ({where})' if where else ''}; ending this "
                    f"process (exit {EXIT_CODE}) so that the launcher stops the job; a snapshot in flight stays hidden "
                    "and is removed by the next job")
+        logger.error(message)
+        print(f"paddle_fullparam_callbacks: {message}", file=sys.stderr, flush=True)
+        if self.progress_dir is not None:
+            try:
+                tmp = self.progress_dir / f".{ENDED}-{self.rank}.tmp"
+                tmp.write_text(json.dumps({"rank": self.rank, "what": what, "step": self.step, "time": time.time()}))
+                os.replace(tmp, self.progress_dir / ENDED)
+            except OSError:
+                pass
+        try:
+            if self.on_expire is not None:
+                self.on_expire()
+        finally:
+            if self.progress_dir is not None:
+                time.sleep(2 * self.period)  # the ranks still waiting see the mark and say why before the launcher acts
+            self.exit_fn(EXIT_CODE)
+
+    def _end_with(self, ender: int, what: str, peers: List[int], since: float, _last: float) -> None:
+        """Another rank's watchdog is ending the job while this rank waits in ``what``: the same diagnosis,
+        then this process ends too."""
+        culprits, where = self.peers_report(peers, since)
+        who = f"rank(s) {culprits}" if culprits else f"one of the ranks {[r for r in peers if r != self.rank]}"
+        message = (f"export.timeout_s={self.timeout_s:g}: rank {self.rank}'s '{what}' (step {self.step}) failed after "
+                   f"{time.time() - since:.0f} s (rank {ender}'s watchdog is ending the job), waiting for {who}"
+                   f"{f' ({where})' if where else ''}; ending this process (exit {EXIT_CODE})")
         logger.error(message)
         print(f"paddle_fullparam_callbacks: {message}", file=sys.stderr, flush=True)
         try:
