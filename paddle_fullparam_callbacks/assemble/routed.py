@@ -170,9 +170,10 @@ class RoutedAssembler:
             self.groups.get(p.src).recv(buf, p.src)
             self._count(p, "received")
             off = 0
-            for i in p.moves:
+            for i in p.moves:  # views of the packet (it lives until its last move is released), a copy if unaligned
                 m = self.moves[i]
-                self._keep(m, buf[off:off + m.nbytes].copy() if len(p.moves) > 1 else buf)
+                piece = buf[off:off + m.nbytes]
+                self._keep(m, piece if off % _dtypes.lookup(self._dtype_of(m.key)).itemsize == 0 else piece.copy())
                 off += m.nbytes
             return list(p.moves)
         (i,) = p.moves
