@@ -35,6 +35,8 @@ BAD = {
     "size-negative": (None, ["export.max_shard_size=-1GB"], "export.max_shard_size", r"not a size: '-1GB'"),
     "size-unit-only": (None, ["export.max_shard_size=GB"], "export.max_shard_size", r"not a size: 'GB'"),
     "size-zero": (None, ["export.max_pending_bytes=0"], "export.max_pending_bytes", r"must be positive"),
+    "max_pending-not-auto": (None, ["export.max_pending_bytes=automatic"], "export.max_pending_bytes",
+                             r"not a size: 'automatic'.*; or auto"),
     "unknown-dtype": (None, ["export.dtype=int8"], "export.dtype", r"one of keep, bfloat16, float16, float32; got 'int8'"),
     "unknown-format": (None, ["export.format=onnx"], "export.format", r"one of hf_safetensors, .*got 'onnx'"),
     "unknown-assembler": (None, ["assembler=fast"], "assembler", r"one of builtin, paddle; got 'fast'"),
@@ -99,6 +101,17 @@ def test_defaults():
     assert cfg.export.max_shard_bytes == 5 * 10**9
     assert cfg.export.max_pending == 512 * 10**6
     assert cfg.trigger.every_n_steps is None and cfg.retention.keep_last == 0
+
+
+def test_max_pending_bytes_auto_by_default_a_size_still_accepted():
+    cfg = load_config()
+    # auto: the async ring is sized from the rank's bytes; the synchronous writer keeps 512MB
+    assert cfg.export.max_pending_bytes == "auto" and cfg.export.max_pending_auto
+    assert cfg.export.max_pending == 512 * 10**6
+    two = load_config(None, ["export.max_pending_bytes=2GB"]).export
+    assert not two.max_pending_auto and two.max_pending == 2 * 10**9
+    assert ExportConfig(max_pending_bytes="1MiB").max_pending == 2**20
+    assert load_config(None, ["export.max_pending_bytes=auto"]).export.max_pending_auto
 
 
 def test_recipe_file_merged_with_overrides(tmp_path):

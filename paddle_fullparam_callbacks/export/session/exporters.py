@@ -128,13 +128,19 @@ def load_callable(spec: str) -> Callable:
 
 
 def make_exporter(export_cfg, fn: Optional[Callable] = None, ring=None) -> Exporter:
+    """The exporter of ``export.format``. ``ring``: the async staging ring (HostRing), if any.
+
+    The writer's ``put`` waits once the bytes queued reach half its budget (the other half is for
+    out-of-order tensors): with a ring, an async export's budget is at least twice the ring, so the
+    ring, sized for this rank's bytes, is what bounds it, not export.max_pending (512MB with auto)."""
     fmt = export_cfg.format
+    budget = export_cfg.max_pending
+    if export_cfg.async_write and ring is not None:
+        budget = max(budget, 2 * ring.size)
     if fmt == "hf_safetensors":
-        return HFSafetensorsExporter(export_cfg.max_pending, copy=export_cfg.async_write, ring=ring,
-                                     threads=export_cfg.threads)
+        return HFSafetensorsExporter(budget, copy=export_cfg.async_write, ring=ring, threads=export_cfg.threads)
     if fmt == "paddle_safetensors":
-        return PaddleSafetensorsExporter(export_cfg.max_pending, copy=export_cfg.async_write, ring=ring,
-                                         threads=export_cfg.threads)
+        return PaddleSafetensorsExporter(budget, copy=export_cfg.async_write, ring=ring, threads=export_cfg.threads)
     if fmt == "callable":
         return CallableExporter(fn or load_callable(export_cfg.callable))
     raise ValueError(f"unknown export.format {fmt!r}")

@@ -308,17 +308,30 @@ class ExportSession:
     def _host_ring(self):
         """Host memory reused by every background export (pre-faulted once): see HostRing.
 
-        ``export.max_pending_bytes``, or less when this rank's files are smaller."""
-        if not self.config.export.async_write or self.config.export.format == "callable":
+        Sized once per job by ring_size: with ``export.max_pending_bytes: auto`` this rank's file
+        bytes within its share of the node's available memory (said once when that share limits it),
+        otherwise the explicit size, or less when this rank's files are smaller. auto before the
+        first plan (an export without ``prepare``): None, this export copies into fresh memory and
+        its ``prepare`` builds the ring for the next ones."""
+        export = self.config.export
+        if not export.async_write or export.format == "callable":
             return None
         if self._ring is None:
             from .host import HostRing
+            from .ring_size import capped_message, read_meminfo, ring_size
 
-            size = self.config.export.max_pending
-            if self._prepared is not None:
+            if self._prepared is None:
+                if export.max_pending_auto:
+                    return None
+                size = export.max_pending
+            else:
                 p = self._prepared
                 mine = sum(p.plan.files[i].data_bytes for i in p.writes.files_of_rank(self.ctx.rank))
-                size = max(1, min(size, mine))
+                setting = None if export.max_pending_auto else export.max_pending
+                sized = ring_size(mine, setting, read_meminfo() if setting is None else None, os.environ)
+                if sized.capped:
+                    logger.warning("%s", capped_message(sized, self.ctx.rank))
+                size = sized.bytes
             self._ring = HostRing(size)
         self._ring.reset()  # the previous export has finished (wait_pending ran first)
         return self._ring
