@@ -14,14 +14,13 @@ from .. import _dtypes
 from ..plan.naming import validate_template
 from .evaluating import command_problem
 from .publishing import check_against, check_publish
-from .sizes import parse_size
+from .sizes import AUTO, parse_size, pending_budget
 
 EXPORT_FORMATS = ("hf_safetensors", "paddle_safetensors", "callable")
 ASSEMBLERS = ("builtin", "paddle")
 ON_ERROR = ("warn", "raise")
 LORA_MODES = ("merge", "base")
 PEFT_ADAPTER = ("none", "inside")
-SYNC_PENDING_DEFAULT = "512MB"  # export.max_pending_bytes=auto: the synchronous writer's budget
 
 
 class ConfigError(ValueError):
@@ -41,9 +40,9 @@ def _check_choice(key: str, value: Any, choices: tuple) -> None:
         raise ConfigError(key, f"must be one of {', '.join(choices)}; got {value!r}")
 
 
-def _check_size(key: str, value: Any, allow_zero: bool = False) -> int:
+def _check_size(key: str, value: Any, allow_zero: bool = False, parse=parse_size) -> int:
     try:
-        return parse_size(value, allow_zero)
+        return parse(value, allow_zero)
     except ValueError as e:
         raise ConfigError(key, str(e)) from e
 
@@ -107,13 +106,10 @@ class ExportConfig:
     merges files, tokenizer.model, chat_template.jinja, preprocessor_config.json, ...) each snapshot
     gets, copied as they are: the base model's directory, for instance. Used instead of the trainer's
     tokenizer; for a trainer without one, snapshots have no tokenizer otherwise (said once at start)."""
-    max_pending_bytes: str = "auto"
-    """Host memory that holds tensors not yet on disk, a size (e.g. '2GB') or auto. With
-    export.async_write it is the staging ring training copies into before it resumes, kept for the
-    job: auto sizes it to this rank's snapshot bytes, within half the node's available host memory
-    shared among the job's ranks on the node (PADDLE_LOCAL_SIZE), said once at start when that cap
-    is what limits it; a size caps the ring (bytes beyond it wait for the disk during an export).
-    Synchronous writes (and convert) hold at most this much in their pipeline, 512MB with auto."""
+    max_pending_bytes: str = AUTO
+    """Host memory for tensors not yet on disk: auto or a size. async_write: the staging ring training copies
+    into (auto: this rank's snapshot bytes, within half the node's MemAvailable / PADDLE_LOCAL_SIZE, said at
+    start when that caps it; a size caps the ring). Synchronous writes, convert: the writer's budget (auto 512MB)."""
     callable: Optional[str] = None
     """For format=callable: 'package.module:function', called as fn(name, tensor, step=...)."""
     async_write: bool = False
@@ -149,12 +145,7 @@ class ExportConfig:
             raise ConfigError("export.peft_adapter", f"a PEFT adapter holds Hugging Face names: it needs "
                                                      f"export.format=hf_safetensors, not {self.format!r}")
         _check_size("export.max_shard_size", self.max_shard_size)
-        if self.max_pending_bytes != "auto":
-            try:
-                parse_size(self.max_pending_bytes)
-            except ValueError as e:
-                raise ConfigError("export.max_pending_bytes", f"{e}; or auto (the async staging ring holds this "
-                                                              "rank's snapshot bytes, within the node's memory)") from e
+        _check_size("export.max_pending_bytes", self.max_pending_bytes, parse=pending_budget)
         _check_size("export.device_memory_budget", self.device_memory_budget, allow_zero=True)
         n = self.threads
         if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
@@ -205,17 +196,12 @@ class ExportConfig:
         return parse_size(self.max_shard_size)
 
     @property
-    def max_pending_auto(self) -> bool:
-        """Whether export.max_pending_bytes is auto: the async ring is sized from this rank's bytes
-        (export/session/ring_size.py), not from a figure in the config."""
-        return self.max_pending_bytes == "auto"
+    def max_pending_auto(self) -> bool:  # the async ring is then sized by export/session/ring_size.py
+        return self.max_pending_bytes == AUTO
 
     @property
-    def max_pending(self) -> int:
-        """The synchronous writer's pipeline budget (and convert's bound): export.max_pending_bytes, or
-        SYNC_PENDING_DEFAULT with auto (a synchronous export gains nothing from holding more: the disk
-        sets its pace)."""
-        return parse_size(SYNC_PENDING_DEFAULT if self.max_pending_auto else self.max_pending_bytes)
+    def max_pending(self) -> int:  # a writer's budget: the size, 512MB with auto (sizes.pending_budget)
+        return pending_budget(self.max_pending_bytes)
 
     @property
     def device_budget(self) -> int:

@@ -42,6 +42,26 @@ def parse_size(value: "str | int", allow_zero: bool = False) -> int:
     return size
 
 
+AUTO = "auto"
+SYNC_PENDING_DEFAULT = "512MB"  # export.max_pending_bytes auto: a synchronous writer's budget (the disk sets its pace)
+
+
+def pending_budget(value: "str | int", allow_zero: bool = False) -> int:
+    """``export.max_pending_bytes`` as a writer's budget: the size, or SYNC_PENDING_DEFAULT for auto (the
+    async staging ring is sized apart, from the rank's bytes: export/session/ring_size.py).
+
+    >>> pending_budget("auto"), pending_budget("2GB")
+    (512000000, 2000000000)
+    """
+    if value == AUTO:
+        return parse_size(SYNC_PENDING_DEFAULT)
+    try:
+        return parse_size(value, allow_zero)
+    except ValueError as e:
+        raise ValueError(f"{e}; or auto (the async staging ring holds this rank's snapshot bytes, within the "
+                         "node's memory)") from None
+
+
 def format_size(num_bytes: int) -> str:
     """Human-readable size, decimal units.
 
