@@ -28,7 +28,7 @@ def check_single_process(report: dict) -> None:
     every placement."""
     budgets = {"llama_bf16_budget0": 0}
     assert set(report["cases"]) == {"llama", "llama_bf16", "llama_bf16_budget0", "llama_staged", "llama_chunks", "tied",
-                                    "lora", "no_transpose"}
+                                    "lora", "no_transpose", "llama_async"}
     for case, runs in report["cases"].items():
         budget = budgets.get(case, 16000)
         for where, run in runs.items():
@@ -49,6 +49,13 @@ def check_single_process(report: dict) -> None:
     # the embedding and the head alone are 16 chunks each (64 KB of bfloat16 in 4 KB chunks)
     assert staged["device"]["staged_chunks"] >= 32 and report["cases"]["llama_bf16"]["device"]["staged_chunks"] == 0
     assert report["cases"]["llama_chunks"]["device"]["files"] == report["cases"]["llama"]["device"]["files"]
+    # a background export: the same bytes; every slice off the device went straight into the staging ring
+    # (no second copy), the CPU parameters were copied in once, as from a CPU job
+    runs = report["cases"]["llama_async"]
+    assert runs["device"]["files"] == report["cases"]["llama"]["device"]["files"]
+    assert runs["device"]["ring"]["arrays"] > 0 and runs["device"]["ring"]["copies"] == 0, runs["device"]["ring"]
+    assert runs["mixed"]["ring"]["arrays"] > 0 and runs["mixed"]["ring"]["copies"] > 0, runs["mixed"]["ring"]
+    assert runs["cpu"]["ring"]["arrays"] == 0 and runs["cpu"]["ring"]["copies"] > 0, runs["cpu"]["ring"]
     assert any(name.startswith("adapter/") for name in report["cases"]["lora"]["device"]["files"])
     # transposes to Hugging Face's layout: on the device where the budget allows (every Linear weight of a
     # mesh of one; of the LoRA model only its adapter's factors, the merged weights are merged on the host),

@@ -27,6 +27,10 @@ device memory at any moment, whatever the model's largest tensor.
   an error naming it, never copied past the budget.
 
 A CPU tensor is not copied at all: the host array shares its memory (DLPack).
+
+Where the host arrays go: new arrays (``np.empty``), or, where the export hands them to a background
+writer (``export.async_write``), the export's pre-faulted staging ring (``host_alloc``): each chunk then
+leaves the device straight into its place there, and nothing copies it again before the writer reads it.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import numpy as np
 
@@ -103,6 +107,13 @@ class DeviceBoundary:
     chunk_bytes: int = field(default_factory=lambda: CHUNK_BYTES)
     staging: str = field(default_factory=lambda: DEFAULT_STAGING)
     stats: DeviceStats = field(default_factory=DeviceStats)
+    host_alloc: Optional[Callable[[tuple, np.dtype], Optional[np.ndarray]]] = None
+    """(shape, dtype) -> a new C-contiguous host array, or None for an ordinary one: where device slices
+    land (the staging ring of a background export: ``export/session/host.HostRing.array``)."""
+
+    def _new(self, shape, storage) -> np.ndarray:
+        out = self.host_alloc(tuple(shape), np.dtype(storage)) if self.host_alloc is not None else None
+        return np.empty(tuple(shape), dtype=storage) if out is None else out
 
     # ---- whole slices ---------------------------------------------------------------------
     def host_array(self, tensor, cast_to: Optional[str] = None,
@@ -123,7 +134,7 @@ class DeviceBoundary:
                 return out.T, want
         device_cast = want != dtype and self._fits(_dtypes.lookup(want).itemsize)
         moved = want if device_cast else dtype  # what crosses to the host
-        out = np.empty(tuple(tensor.shape), dtype=_dtypes.lookup(moved).np_storage)
+        out = self._new(tensor.shape, _dtypes.lookup(moved).np_storage)
         self._copy_out(tensor, out, want if device_cast else None)
         return self._host_cast(out, moved, want), want
 
@@ -165,7 +176,7 @@ class DeviceBoundary:
         t0 = time.perf_counter()
         if not tensor.stop_gradient:
             tensor = tensor.detach()
-        out = np.empty((n, m), dtype=_dtypes.lookup(want).np_storage)
+        out = self._new((n, m), _dtypes.lookup(want).np_storage)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             try:

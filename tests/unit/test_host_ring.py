@@ -53,3 +53,25 @@ def test_detached_copy_of_transposed_view_is_private():
     y = detached_copy(x.T)
     x[0, 0] = 99
     assert y[0, 0] == 0 and y.shape == (4, 3)
+
+
+def test_ring_arrays_return_their_bytes_when_the_last_view_goes():
+    """The device boundary's arrays in the ring (a background export): held by any view made from them (a
+    transpose, a slice, a lazy cast's source), the bytes come back when the last one goes, never earlier,
+    and a full ring says so at once instead of waiting (the caller makes an ordinary array)."""
+    ring = HostRing(1000, wait_s=5)
+    a = ring.array((10, 5), np.float32)  # 200 bytes
+    a[...] = np.arange(50, dtype=np.float32).reshape(10, 5)
+    view = a.T[1:]
+    assert HostRing.holds(a) and HostRing.holds(view) and not HostRing.holds(np.zeros(3))
+    assert a.flags.c_contiguous and a.flags.writeable
+    del a
+    b = ring.array((200,), np.float32)  # 800 bytes: the first 200 are still held by `view`
+    assert b is not None and not np.shares_memory(b, view)
+    assert ring.array((1,), np.float64) is None  # full: no wait
+    assert np.array_equal(view, np.arange(50, dtype=np.float32).reshape(10, 5).T[1:])  # untouched
+    del view
+    c = ring.array((25,), np.float64)  # the 200 bytes are back (before b's region, in ring order)
+    assert c is not None
+    del b, c
+    assert ring.array((250,), np.float32) is not None  # everything back

@@ -34,6 +34,11 @@ class Exporter:
         """Block until a tensor of ``nbytes`` can be written without waiting: called before a producer
         that reads tensors on demand (``convert``) reads the next one. Nothing to wait for by default."""
 
+    def host_alloc(self):
+        """Where the device boundary should put the slices it copies off the device, so that this exporter
+        takes them as they are: ``(shape, dtype) -> array or None``, or None (ordinary arrays)."""
+        return None
+
     def finish(self) -> Dict[str, FileResult]:
         raise NotImplementedError
 
@@ -60,10 +65,14 @@ class SafetensorsExporter(Exporter):
     def wait_for_room(self, nbytes: int) -> None:
         self.writer.wait_for_room(nbytes)  # until it could take nbytes more within its budget (or is idle)
 
+    def host_alloc(self):
+        """A background export's staging ring: a slice leaves the device straight into it."""
+        return self.ring.array if self.copy and self.ring is not None else None
+
     def write(self, name, tensor, zero_row=None):
         arr = to_host_array(tensor)
         release = None
-        if self.copy:
+        if self.copy and not (self.ring is not None and self.ring.holds(arr)):  # (in the ring already: as it is)
             copied, release = self.ring.copy_in(arr) if self.ring is not None else (None, None)
             arr = copied if copied is not None else detached_copy(arr)
         self.writer.put(name, arr, release, zero_row=zero_row)  # the writer zeroes the row: no copy

@@ -2,6 +2,10 @@
 private copies for background writes, and the reusable ring they go into."""
 from __future__ import annotations
 
+import math
+import weakref
+from typing import Optional, Sequence
+
 import numpy as np
 
 from ...assemble.device import host_array
@@ -76,22 +80,26 @@ class HostRing:
             self._live.clear()
             self._head = self._tail = 0
 
-    def alloc(self, n: int):
-        """(a uint8 view of n bytes, a token for free()) or (None, None)."""
+    def alloc(self, n: int, wait: bool = True):
+        """(a uint8 view of n bytes, a token for free()) or (None, None). ``wait``: while the writer frees
+        room (back pressure), up to ``wait_s``; otherwise only room there is now."""
         if n <= 0 or n > self.size:
             return None, None
         with self._cv:
+            if self._head == self._tail:  # empty: start at the buffer's beginning (no wasted tail before a large one)
+                self._head = self._tail = -(-self._head // self.size) * self.size
+
             def room():
                 pos = self._head % self.size
                 waste = self.size - pos if pos + n > self.size else 0
                 return self._head + waste + n - self._tail <= self.size, waste
 
             ok, waste = room()
-            if not ok:
+            if not ok and wait:
                 self._cv.wait_for(lambda: room()[0], timeout=self.wait_s)
                 ok, waste = room()
-                if not ok:
-                    return None, None
+            if not ok:
+                return None, None
             start = self._head + waste
             self._head = start + n
             token = [start, self._head, False]
@@ -105,6 +113,27 @@ class HostRing:
             while self._live and self._live[0][2]:
                 self._tail = self._live.popleft()[1]
             self._cv.notify_all()
+
+    def array(self, shape: Sequence[int], dtype) -> Optional[np.ndarray]:
+        """A new C-contiguous array of ``shape`` and ``dtype`` in the ring, or None where there is no room
+        now (never waits: the caller, the device boundary, then makes an ordinary array). The ring gets
+        its bytes back when the last array made from it (views, transposes, a lazy cast of it) is gone,
+        so it can go to the writer as it is: nothing copies it again (:meth:`holds`)."""
+        dtype = np.dtype(dtype)
+        view, token = self.alloc(math.prod(shape) * dtype.itemsize, wait=False)
+        if view is None:
+            return None
+        owner = _Block(view.view(dtype).reshape(tuple(shape)))
+        weakref.finalize(owner, self.free, token)
+        return np.asarray(owner)
+
+    @staticmethod
+    def holds(array) -> bool:
+        """Whether ``array`` (or the array it views) was made by :meth:`array`."""
+        base = array
+        while isinstance(base, np.ndarray):
+            base = base.base
+        return isinstance(base, _Block)
 
     def copy_in(self, array):
         """(a copy of ``array`` in the ring, release callback) or (None, None) if it does not fit.
@@ -121,6 +150,19 @@ class HostRing:
         dest = view.view(array.dtype).reshape(src.shape)
         np.copyto(dest, src)
         return dest.transpose(inverse), (lambda: self.free(token))
+
+
+class _Block:
+    """The owner of one ring allocation given out as an array. numpy stops a view's chain of bases at the
+    first object that is not an array, so every array made from the block keeps this object alive, and
+    its finalizer returns the bytes when the last one goes (a plain view of the ring would not: its base
+    would be the whole ring buffer)."""
+
+    __slots__ = ("__array_interface__", "_values", "__weakref__")
+
+    def __init__(self, values: np.ndarray):
+        self._values = values  # keeps the ring's buffer alive as long as the block
+        self.__array_interface__ = values.__array_interface__
 
 
 def with_zero_row(tensor, row: int) -> np.ndarray:

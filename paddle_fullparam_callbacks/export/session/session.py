@@ -276,7 +276,10 @@ class ExportSession:
         ctx, p = self.ctx, job.p
         progress = progress_bar(ctx.is_coordinator, sum(p.plan.slots[n].nbytes for n in keep), job.name)
         beat = ctx.watchdog.beat if ctx.watchdog is not None else (lambda: None)
-        boundary = job.device = DeviceBoundary(self.config.export.device_budget)
+        # a mesh of one hands its slices to the writer as they are: a background export's slices then leave the
+        # device straight into the staging ring (elsewhere they are assembled into new arrays first)
+        boundary = job.device = DeviceBoundary(self.config.export.device_budget,
+                                               host_alloc=job.exporter.host_alloc() if ctx.mesh.size == 1 else None)
         try:
             job.exporter.begin(p.plan, job.staging, job.step, my_files)
             with ctx.waiting("assembly", ctx.mesh_ranks):  # export.timeout_s: no tensor for that long ends the job
