@@ -118,7 +118,8 @@ def check_against_model(ckpt: Checkpoint, expected: Dict[str, tuple], cls_name: 
 
 class CheckpointTensors:
     """The checkpoint as an export source (``export.source.TensorSource``): one record per tensor
-    (its whole global shape); ``read`` assembles any region of it from the files."""
+    (its whole global shape); ``read`` gives any region of it as a lazy array whose bytes go from the
+    files straight into the writer's buffers when it fills them (``checkpoints/_reads.py``)."""
 
     def __init__(self, ckpt: Checkpoint, keys: Iterable[str]):
         from ..assemble.mesh import ShardRecord
@@ -131,7 +132,7 @@ class CheckpointTensors:
         return list(self._records)
 
     def read(self, key: str, offset: Sequence[int], shape: Sequence[int]):
-        return self.ckpt.read(key, offset, shape)
+        return self.ckpt.region(key, offset, shape)
 
     def describe(self) -> dict:
         c = self.ckpt

@@ -127,17 +127,7 @@ class Checkpoint:
 
         >>> ckpt.read("model.norm.weight", [0], ckpt.tensors["model.norm.weight"].global_shape)  # doctest: +SKIP
         """
-        try:
-            info = self.tensors[key]
-        except KeyError:
-            raise KeyError(f"checkpoint {self.path.name!r} has no tensor {key!r}") from None
-        offset = tuple(int(v) for v in offset)
-        shape = tuple(int(v) for v in shape)
-        g = tuple(info.global_shape)
-        if len(offset) != len(g) or len(shape) != len(g) or any(
-                o < 0 or n < 0 or o + n > d for o, n, d in zip(offset, shape, g)):
-            raise CheckpointError(f"tensor {key!r} {_fmt(g)}: region {_fmt(offset)}+{_fmt(shape)} is outside it")
-        storage = np.dtype(_dtypes.lookup(info.dtype).np_storage)
+        info, offset, shape, storage = self._checked(key, offset, shape)
         maps: Dict[Path, np.memmap] = {}
         if not copy and math.prod(shape):
             for s in info.slices:
@@ -165,6 +155,29 @@ class Checkpoint:
         finally:
             maps.clear()  # the maps close when their last view goes
         return out
+
+    def region(self, key: str, offset: Sequence[int], shape: Sequence[int]):
+        """The region ``[offset, offset + shape)`` of tensor ``key`` as a lazy array (``_reads.RegionRead``):
+        nothing is read until it is filled, block by block, straight into the consumer's buffers (what
+        ``convert`` hands the writer); ``np.asarray`` of it gives the values."""
+        from ._reads import read_region
+
+        return read_region(key, *self._checked(key, offset, shape))
+
+    def _checked(self, key: str, offset: Sequence[int], shape: Sequence[int]):
+        """(the tensor's info, the region's offset and shape as ints, its storage dtype); raises for a region
+        outside the tensor."""
+        try:
+            info = self.tensors[key]
+        except KeyError:
+            raise KeyError(f"checkpoint {self.path.name!r} has no tensor {key!r}") from None
+        offset = tuple(int(v) for v in offset)
+        shape = tuple(int(v) for v in shape)
+        g = tuple(info.global_shape)
+        if len(offset) != len(g) or len(shape) != len(g) or any(
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(offset, shape, g)):
+            raise CheckpointError(f"tensor {key!r} {_fmt(g)}: region {_fmt(offset)}+{_fmt(shape)} is outside it")
+        return info, offset, shape, np.dtype(_dtypes.lookup(info.dtype).np_storage)
 
     @staticmethod
     def _pread(s: FileSlice, dst: np.ndarray) -> None:
