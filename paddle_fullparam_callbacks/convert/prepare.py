@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence
 
 from .. import _dtypes
 from ..config.schema import FullParamConfig
-from ..export.source import ModelSource, SnapshotInfo
+from ..export.source import ExportError, ModelSource, SnapshotInfo
 from ..models.tokenizer import TokenizerFiles
 from .checkpoints import Checkpoint, CheckpointError, detect, open_checkpoint
 from .checkpoints._trainer_files import read_json
@@ -149,6 +149,7 @@ class Conversion:
     model: object
     source: ModelSource
     step: int
+    lora_checkpoint: Optional[Checkpoint] = None  # the LoRA tensors' own checkpoint (PaddleNLP's), if apart
 
 
 def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
@@ -205,7 +206,7 @@ def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
     step = (lora_ckpt or ckpt).step if step is None else step
     if step is None or step < 0:
         raise ConvertError(f"{path}: no step recorded (trainer_state, checkpoint-N name): give one with --step")
-    return Conversion(ckpt, model, source, int(step))
+    return Conversion(ckpt, model, source, int(step), lora_ckpt)
 
 
 def export_conversion(conv: Conversion, output_dir: Path, config: FullParamConfig, ctx=None) -> SnapshotInfo:
@@ -224,6 +225,13 @@ def export_conversion(conv: Conversion, output_dir: Path, config: FullParamConfi
     session.start()
     try:
         info = session.export(conv.source, conv.step, reason="convert")
+    except ExportError as e:
+        # a file that changed after it was indexed is the checkpoint's fault, not the export's: said as such
+        # (nothing was committed: the export removed what it had written)
+        met = [x for c in (conv.checkpoint, conv.lora_checkpoint) if c is not None for x in c.read_errors]
+        if met:
+            raise met[0] from e
+        raise
     finally:
         session.close()
     if session.ctx.is_coordinator:

@@ -25,6 +25,7 @@ from ..export.session.distributed import LocalContext
 from ..export.source import ExportError, SnapshotInfo
 from ..host.pool import usable_cores
 from ..plan.topology import plan_topology
+from .checkpoints import CheckpointError
 from .prepare import export_conversion, prepare
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
@@ -104,5 +105,7 @@ def convert_in_workers(checkpoint_dir, output_dir: Path, config, model_config, s
     if errors:
         rank, (kind, message, tb) = errors[0]
         logger.debug("convert worker %d failed:\n%s", rank, tb)
+        if kind in ("CheckpointError", "ConvertError"):  # a file that changed after it was indexed, in a worker
+            raise CheckpointError(f"convert worker {rank}: {message}")
         raise ExportError(f"convert worker {rank} failed: {kind}: {message}")
     return outcomes[0][1]

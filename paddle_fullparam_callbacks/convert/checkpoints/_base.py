@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -115,6 +115,9 @@ class Checkpoint:
     parallel: Dict[str, int]
     step: Optional[int]
     tokenizer_files: List[Path]
+    # what the reads of its regions met (a file cut short after indexing), shared by its copies (``replace``):
+    # the export reports a failed write as text, ``convert`` raises the first of these instead
+    read_errors: List[CheckpointError] = field(default_factory=list, repr=False, compare=False)
 
     def read(self, key: str, offset: Sequence[int], shape: Sequence[int], copy: bool = False) -> np.ndarray:
         """The region ``[offset, offset + shape)`` of tensor ``key`` as an array of its storage dtype
@@ -162,7 +165,7 @@ class Checkpoint:
         ``convert`` hands the writer); ``np.asarray`` of it gives the values."""
         from ._reads import read_region
 
-        return read_region(key, *self._checked(key, offset, shape))
+        return read_region(key, *self._checked(key, offset, shape), errors=self.read_errors)
 
     def _checked(self, key: str, offset: Sequence[int], shape: Sequence[int]):
         """(the tensor's info, the region's offset and shape as ints, its storage dtype); raises for a region

@@ -115,8 +115,10 @@ def _populate(m: mmap.mmap, first: int, last: int, s: FileSlice) -> None:
 class _Tensor:
     """What the blocks of one read share: the tensor's slices, its region, the populated mappings."""
 
-    def __init__(self, key: str, info: TensorInfo, lo: Tuple[int, ...], hi: Tuple[int, ...], storage: np.dtype):
+    def __init__(self, key: str, info: TensorInfo, lo: Tuple[int, ...], hi: Tuple[int, ...], storage: np.dtype,
+                 errors: Optional[list] = None):
         self.key, self.info, self.lo, self.hi, self.storage = key, info, lo, hi, storage
+        self.errors = errors if errors is not None else []
         self.size = math.prod(h - l for l, h in zip(lo, hi))
         self._lock = threading.Lock()
         self._maps: Dict[int, np.ndarray] = {}  # slice index -> the block as an array over its mapping
@@ -287,6 +289,9 @@ class RegionRead(LazyArray):
                 copy_into(out[tuple(slice(dlo[a], dlo[a] + box[a]) for a in perm) + (Ellipsis,)], src)
                 del src
             t.filled(out.size)  # before the gate opens: a complete region is unmapped by then
+        except CheckpointError as e:
+            t.errors.append(e)
+            raise
         finally:
             if gated:
                 _GATE.leave(t)
@@ -304,11 +309,13 @@ class RegionRead(LazyArray):
         return f"RegionRead({self._t.key!r}, {_fmt(self._lo)}..{_fmt(self._hi)}, axes {list(self._perm)})"
 
 
-def read_region(key: str, info: TensorInfo, offset: Sequence[int], shape: Sequence[int], storage: np.dtype) -> RegionRead:
-    """The region ``[offset, offset + shape)`` of tensor ``key`` (checked by the caller) as a :class:`RegionRead`."""
+def read_region(key: str, info: TensorInfo, offset: Sequence[int], shape: Sequence[int], storage: np.dtype,
+                errors: Optional[list] = None) -> RegionRead:
+    """The region ``[offset, offset + shape)`` of tensor ``key`` (checked by the caller) as a :class:`RegionRead`;
+    ``errors``: where its fills add the CheckpointError they raise (the writer reports them as text only)."""
     lo = tuple(int(v) for v in offset)
     hi = tuple(o + int(n) for o, n in zip(lo, shape))
-    return RegionRead(_Tensor(key, info, lo, hi, np.dtype(storage)), lo, hi, tuple(range(len(lo))))
+    return RegionRead(_Tensor(key, info, lo, hi, np.dtype(storage), errors), lo, hi, tuple(range(len(lo))))
 
 
 __all__ = ["RegionRead", "read_region"]
