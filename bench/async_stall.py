@@ -164,6 +164,16 @@ def _summary(name, layers, setting, package, runs) -> dict:
     return out
 
 
+def _pooled_ratios(summaries) -> None:
+    """Adds ``stall_ratio_pooled_sync``: the async stall over the median of every synchronous stall of
+    the same model, all cases together (the synchronous path is alike in each: only its budget differs),
+    a steadier denominator than one case's three runs on a shared machine."""
+    for c in summaries:
+        pooled = C.median([s for o in summaries if o["layers"] == c["layers"] for s in o["stall_seconds_all"]["sync"]])
+        c["sync_stall_pooled_seconds"] = pooled
+        c["stall_ratio_pooled_sync"] = round(c["stall_seconds"]["async"] / pooled, 4)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", choices=VARIANTS)
@@ -201,6 +211,7 @@ def main():
                       f"{[round(x, 2) for x in r['stalls']]} s, exports {[round(x, 2) for x in r['export_seconds']]} s, "
                       f"verified {r['verified']}", flush=True)
     summaries = [_summary(name, layers, setting, package, runs[name]) for name, layers, setting, package in cases]
+    _pooled_ratios(summaries)
     legacy = next((c for c in summaries if c["layers"] == 8 and c["max_pending_bytes"] not in ("default",)
                    and c["package"] == "this checkout"), summaries[0])
     legacy_runs = runs[legacy["case"]]
@@ -220,7 +231,8 @@ def main():
                                 and c["max_pending_bytes"] == "default")},
         "host_ring_bytes": legacy["host_ring_bytes"],
         "cases": summaries,
-        "stall_table": [{k: c[k] for k in ("case", "package", "model_bytes", "host_ring_bytes", "stall_ratio")}
+        "stall_table": [{k: c[k] for k in ("case", "package", "model_bytes", "host_ring_bytes", "stall_ratio",
+                                           "stall_ratio_pooled_sync")}
                         | {"sync_s": round(c["stall_seconds"]["sync"], 4), "async_s": round(c["stall_seconds"]["async"], 4),
                            "async_peak_extra_rss_bytes": c["peak_extra_rss_bytes"]["async"]} for c in summaries],
         "all_case_runs": runs,
