@@ -49,6 +49,7 @@ class DemoRun:
     stdout: str
     rows: List[Row]
     metric: Optional[str]  # the metric column of the table, if any
+    stderr: str = ""
 
     @property
     def snaps(self) -> Path:
@@ -94,7 +95,7 @@ def run_demo_cli(out: Path, recipe: Optional[str], steps: Optional[int], overrid
     proc = run_cli(*args, *overrides)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows, metric = parse_table(proc.stdout)
-    return DemoRun(out, proc.stdout, rows, metric)
+    return DemoRun(out, proc.stdout, rows, metric, proc.stderr)
 
 
 def safetensors_header(path: Path) -> dict:
@@ -346,6 +347,11 @@ def test_make_demo_twice_and_unscaled_triggers(tmp_path):
     out = tmp_path / "demo_output"
     first = run_demo_cli(out, None, None)
     assert [(r.step, r.reason) for r in first.rows] == [(s, "every_n_steps") for s in (10, 20, 30, 40)]
+    # a quiet demo: its own lines and its table; none of the frameworks' notices (import-time warnings,
+    # PaddleFormers' and Paddle's INFO lines, Paddle's empty-state-dict UserWarning)
+    ours = ("INFO paddle_fullparam_callbacks:", "WARNING paddle_fullparam_callbacks:")
+    assert [ln for ln in first.stderr.splitlines() if ln.strip() and not ln.startswith(ours)] == [], first.stderr
+    assert not [ln for ln in first.stdout.splitlines() if "Warning" in ln or ln.startswith("[20")], first.stdout
     check_snapshot_dir(first, [name(s) for s in (20, 30, 40)])
     run1 = manifest(out / "snapshots" / name(40))["run"]["id"]
     second = run_demo_cli(out, None, None)

@@ -125,6 +125,34 @@ def quiet_framework_logs() -> None:
         pass
 
 
+class _Above(logging.Filter):
+    """Drops a framework's records below ``level`` (a filter on the logger: it outlives the level the
+    framework sets on its own logger when it is imported)."""
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level
+
+
+def silence_framework_chatter() -> None:
+    """The demo prints its own lines and its table: the frameworks' import-time notices and per-save INFO
+    lines are silenced here, for the demo's process only (a library user's logging is never touched).
+    Errors still show. Called before Paddle, PaddleFormers or transformers are imported."""
+    import os
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # "PyTorch was not found ..."
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    for module in (r"paddle(\.|$)", r"paddleformers(\.|$)", r"_distutils_hack"):  # ccache, empty state dict, ...
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+    for name in ("PaddleFormers",  # "Due to potential compatibility issues ...", flag notices
+                 "paddle.distributed.fleet.utils.log_util"):  # flex checkpoint: "... wrote the metadata to the file."
+        logging.getLogger(name).addFilter(_Above(logging.ERROR))
+
+
 DEMO_MARKER = ".paddle-fullparam-demo"
 """Written into the demo's ``--output-dir``: a later demo there may replace its ``snapshots/`` and ``trainer/``."""
 
@@ -208,6 +236,7 @@ def run_demo(output_dir: str = "demo_output", recipe: Optional[str] = "demo_tiny
     set and an evaluation every ``max(1, steps // 4)`` steps. Prints a table and returns the exit status
     (0: every snapshot verifies). ``steps`` < 1 raises :class:`ConfigError` (``--steps: ...``)."""
     steps = check_steps(steps)
+    silence_framework_chatter()
     from ..export.commit.pointers import read_pointer
     from ..export.verify.snapshot import verify_snapshot
     from ..trainer.attach import attach
