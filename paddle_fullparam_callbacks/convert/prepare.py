@@ -27,7 +27,7 @@ from .. import _dtypes
 from ..config.schema import FullParamConfig
 from ..export.source import ExportError, ModelSource, SnapshotInfo
 from ..models.tokenizer import TokenizerFiles
-from .checkpoints import Checkpoint, CheckpointError, detect, open_checkpoint
+from .checkpoints import Checkpoint, CheckpointError, detect, open_checkpoint, region
 from .checkpoints._trainer_files import read_json
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
@@ -132,7 +132,7 @@ class CheckpointTensors:
         return list(self._records)
 
     def read(self, key: str, offset: Sequence[int], shape: Sequence[int]):
-        return self.ckpt.region(key, offset, shape)
+        return region(self.ckpt, key, offset, shape)
 
     def describe(self) -> dict:
         c = self.ckpt

@@ -1,4 +1,4 @@
-"""``Checkpoint.region``: a checkpoint tensor's region read where it is filled, for every format convert
+"""``checkpoints.region``: a checkpoint tensor's region read where it is filled, for every format convert
 reads (paddle.save pickles with C and Fortran arrays, safetensors, flex rank files, hand-cut blocks side
 by side and stacked, LoRA pickles), by both of its paths (``preadv`` into the destination; a populated
 mapping for transposes, Fortran blocks and short runs), in the writer's row blocks, transposed and cast,
@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paddle_fullparam_callbacks.convert.checkpoints import Checkpoint, CheckpointError, FileSlice, TensorInfo, open_checkpoint
+from paddle_fullparam_callbacks.convert.checkpoints import (Checkpoint, CheckpointError, FileSlice, TensorInfo, open_checkpoint,
+                                                            region)
 from paddle_fullparam_callbacks.convert.checkpoints import _reads
 from paddle_fullparam_callbacks.convert.checkpoints._base import check_tiling
 from paddle_fullparam_callbacks.host.copy import row_blocks
@@ -52,15 +53,15 @@ def _by_writer_blocks(lazy, block_bytes: int) -> np.ndarray:
     return out
 
 
-def _check_all_ways(region, want: np.ndarray) -> None:
-    assert region.shape == want.shape and region.dtype == want.dtype
-    assert np.array_equal(np.asarray(region), want)
-    assert np.array_equal(region.materialize(), want)
-    for lazy, values in ((region, want), (region.T, want.T)):
+def _check_all_ways(lazy, want: np.ndarray) -> None:
+    assert lazy.shape == want.shape and lazy.dtype == want.dtype
+    assert np.array_equal(np.asarray(lazy), want)
+    assert np.array_equal(lazy.materialize(), want)
+    for one, values in ((lazy, want), (lazy.T, want.T)):
         for block in (64, 1000, 1 << 20):
-            assert np.array_equal(_by_writer_blocks(lazy, block), values)
+            assert np.array_equal(_by_writer_blocks(one, block), values)
     if want.ndim == 2 and want.shape[0] > 3:
-        assert np.array_equal(region[1:3, ::2], want[1:3, ::2])
+        assert np.array_equal(lazy[1:3, ::2], want[1:3, ::2])
 
 
 def _route(monkeypatch, route: str) -> None:
@@ -89,29 +90,29 @@ def test_regions_within_and_across_blocks_read_every_way(tmp_path, monkeypatch, 
     full = RNG.standard_normal((40, 36)).astype("float32")
     ckpt = _blocks(tmp_path, full, CUTS[cuts], fortran)
     for (o0, o1), (n0, n1) in REGIONS:
-        _check_all_ways(ckpt.region("w", (o0, o1), (n0, n1)), full[o0:o0 + n0, o1:o1 + n1])
+        _check_all_ways(region(ckpt, "w", (o0, o1), (n0, n1)), full[o0:o0 + n0, o1:o1 + n1])
 
 
 def test_a_read_goes_straight_into_the_destination_without_mapping_the_file(tmp_path, monkeypatch):
     full = RNG.standard_normal((64, 4096)).astype("float32")  # 8 KB of a row in each block: worth a segment each
     ckpt = _blocks(tmp_path, full, [(0, 64, 0, 2048), (0, 64, 2048, 4096)])
     monkeypatch.setattr(_reads._Tensor, "_map", lambda self, s: pytest.fail("mapped a block"))
-    region = ckpt.region("w", (0, 0), (64, 4096))
+    lazy = region(ckpt, "w", (0, 0), (64, 4096))
     out = np.empty((10, 4096), np.float32)
-    region.rows(20, 30).fill(out)  # rows of two blocks side by side: a preadv of one segment per row and block
+    lazy.rows(20, 30).fill(out)  # rows of two blocks side by side: a preadv of one segment per row and block
     assert np.array_equal(out, full[20:30])
 
 
 def test_a_transposed_region_maps_each_block_once_and_lets_it_go_once_filled(tmp_path):
     full = RNG.standard_normal((64, 48)).astype("float32")
     ckpt = _blocks(tmp_path, full, [(0, 64, 0, 48)])
-    region = ckpt.region("w", (0, 0), (64, 48)).T
-    t = region._t
-    out = np.empty(region.shape, np.float32)
-    region.rows(0, 20).fill(out[:20])
+    lazy = region(ckpt, "w", (0, 0), (64, 48)).T
+    t = lazy._t
+    out = np.empty(lazy.shape, np.float32)
+    lazy.rows(0, 20).fill(out[:20])
     maps = dict(t._maps)
     assert len(maps) == 1
-    region.rows(20, 48).fill(out[20:])
+    lazy.rows(20, 48).fill(out[20:])
     assert np.array_equal(out, full.T) and not t._maps  # the whole region filled: unmapped
 
 
@@ -120,15 +121,15 @@ def test_casts_and_a_zero_d_tensor_on_top_of_a_region(tmp_path):
     ckpt = _blocks(tmp_path, full, CUTS["a grid"])
     want = np.empty((36, 40), np.uint16)
     cast_into(want, full.T, "float32", "bfloat16")
-    lazy = CastArray(ckpt.region("w", (0, 0), (40, 36)).T, "float32", "bfloat16", np.dtype(np.uint16))
+    lazy = CastArray(region(ckpt, "w", (0, 0), (40, 36)).T, "float32", "bfloat16", np.dtype(np.uint16))
     assert np.array_equal(_by_writer_blocks(lazy, 256), want)
-    cast = CastArray(ckpt.region("w", (0, 0), (40, 36)), "float32", "bfloat16", np.dtype(np.uint16)).T
+    cast = CastArray(region(ckpt, "w", (0, 0), (40, 36)), "float32", "bfloat16", np.dtype(np.uint16)).T
     assert np.array_equal(_by_writer_blocks(cast, 256), want)
 
     f = tmp_path / "scalar.bin"
     f.write_bytes(b"xx" + np.float32(3.5).tobytes())
     info = TensorInfo((), "float32", [FileSlice(f, (), (), "float32", 2)])
-    scalar = Checkpoint(tmp_path, "paddleformers", "flex", {"s": info}, None, {}, 1, []).region("s", (), ())
+    scalar = region(Checkpoint(tmp_path, "paddleformers", "flex", {"s": info}, None, {}, 1, []), "s", (), ())
     out = np.empty((), np.float32)
     scalar.fill(out)
     assert out == np.float32(3.5) and np.asarray(scalar) == np.float32(3.5) and scalar.rows(0, 1) is scalar
@@ -139,17 +140,17 @@ def test_a_file_cut_short_after_indexing_is_named_and_nothing_is_filled_past_it(
     _route(monkeypatch, route)
     full = RNG.standard_normal((40, 36)).astype("float32")
     ckpt = _blocks(tmp_path, full, CUTS["stacked"])
-    region = ckpt.region("w", (0, 0), (40, 36))
+    lazy = region(ckpt, "w", (0, 0), (40, 36))
     f = tmp_path / "1.bin"
     f.write_bytes(f.read_bytes()[:1000])
     out = np.empty((15, 36), np.float32)
     with pytest.raises(CheckpointError, match=r"1\.bin: the block \[25, 0\]\+\[15, 36\] in 1\.bin ends at byte 2164, "
                                               r"the file ended at \d+ \(it changed after it was indexed\?\)"):
-        region.rows(25, 40).fill(out)
+        lazy.rows(25, 40).fill(out)
     with pytest.raises(CheckpointError, match=r"1\.bin: the block .* ends at byte 2164, the file ended"):
-        region.T.rows(0, 4).fill(np.empty((4, 40), np.float32))
+        lazy.T.rows(0, 4).fill(np.empty((4, 40), np.float32))
     first = np.empty((25, 36), np.float32)
-    region.rows(0, 25).fill(first)  # the intact block still reads
+    lazy.rows(0, 25).fill(first)  # the intact block still reads
     assert np.array_equal(first, full[:25])
 
 
@@ -174,9 +175,9 @@ def _arrays():
 def _check_checkpoint(ckpt: Checkpoint, arrays) -> None:
     for k, a in arrays.items():
         info = ckpt.tensors[k]
-        _check_all_ways(ckpt.region(k, (0,) * a.ndim, a.shape), a)
+        _check_all_ways(region(ckpt, k, (0,) * a.ndim, a.shape), a)
         if a.ndim == 2:
-            _check_all_ways(ckpt.region(k, (1, 2), (a.shape[0] - 2, a.shape[1] - 3)), a[1:-1, 2:-1])
+            _check_all_ways(region(ckpt, k, (1, 2), (a.shape[0] - 2, a.shape[1] - 3)), a[1:-1, 2:-1])
         assert tuple(info.global_shape) == a.shape
 
 
@@ -232,7 +233,7 @@ def test_one_large_mapped_region_is_filled_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(_reads, "GATED_BYTES", 1)
     full = RNG.standard_normal((64, 48)).astype("float32")
     ckpt = _blocks(tmp_path, full, [(0, 64, 0, 48)])
-    a, b = ckpt.region("w", (0, 0), (64, 48)).T, ckpt.region("w", (0, 0), (64, 48)).T
+    a, b = region(ckpt, "w", (0, 0), (64, 48)).T, region(ckpt, "w", (0, 0), (64, 48)).T
     inside, release, order = threading.Event(), threading.Event(), []
     real = _reads.copy_into
 

@@ -2,7 +2,8 @@
 
 :func:`open_checkpoint` recognises the directory's format, checks it, and returns a :class:`Checkpoint`:
 per model tensor its global shape, dtype and the file blocks that tile it. ``Checkpoint.read``
-assembles any region of a tensor from memory-mapped blocks.
+assembles any region of a tensor from memory-mapped blocks; :func:`region` is that region as a lazy
+array whose bytes are read (``preadv``) straight into the buffers that consume it (``_reads.py``).
 
 =====================  ===========================================================  =======================================
 layout                 written by                                                   tensors
@@ -34,10 +35,11 @@ from typing import Optional, Tuple
 from ._base import Checkpoint, CheckpointError, FileSlice, TensorInfo, check_tiling
 from ._flex import MODEL_STATE, metadata_files, open_flex
 from ._pdparams import open_pdparams, pdparams_files
+from ._reads import RegionRead, region
 from ._safetensors import model_safetensors, open_safetensors
 from ._trainer_files import framework_of, parallel_degrees, read_json, read_step, read_training_args, tokenizer_files
 
-__all__ = ["Checkpoint", "CheckpointError", "FileSlice", "TensorInfo", "detect", "open_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointError", "FileSlice", "RegionRead", "TensorInfo", "detect", "open_checkpoint", "region"]
 
 _EXPECTED = "expected model_state/*.metadata, model_state*.pdparams or model*.safetensors"
 

@@ -1,7 +1,8 @@
 """The index of a checkpoint: which bytes of which file hold which block of each global tensor.
 
 Nothing here reads tensor bytes except :meth:`Checkpoint.read`, which memory-maps the files a region
-touches and copies only the blocks that intersect it.
+touches and copies only the blocks that intersect it, and ``_reads.region``, the same region as
+a lazy array read block by block where it is consumed (``_reads.region``: what ``convert`` hands the writer).
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ class Checkpoint:
 
         >>> ckpt.read("model.norm.weight", [0], ckpt.tensors["model.norm.weight"].global_shape)  # doctest: +SKIP
         """
-        info, offset, shape, storage = self._checked(key, offset, shape)
+        info, offset, shape, storage = self.check_region(key, offset, shape)
         maps: Dict[Path, np.memmap] = {}
         if not copy and math.prod(shape):
             for s in info.slices:
@@ -159,15 +160,7 @@ class Checkpoint:
             maps.clear()  # the maps close when their last view goes
         return out
 
-    def region(self, key: str, offset: Sequence[int], shape: Sequence[int]):
-        """The region ``[offset, offset + shape)`` of tensor ``key`` as a lazy array (``_reads.RegionRead``):
-        nothing is read until it is filled, block by block, straight into the consumer's buffers (what
-        ``convert`` hands the writer); ``np.asarray`` of it gives the values."""
-        from ._reads import read_region
-
-        return read_region(key, *self._checked(key, offset, shape), errors=self.read_errors)
-
-    def _checked(self, key: str, offset: Sequence[int], shape: Sequence[int]):
+    def check_region(self, key: str, offset: Sequence[int], shape: Sequence[int]):
         """(the tensor's info, the region's offset and shape as ints, its storage dtype); raises for a region
         outside the tensor."""
         try:

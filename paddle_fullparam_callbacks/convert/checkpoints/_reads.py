@@ -35,11 +35,11 @@ import numpy as np
 
 from ...host.copy import copy_into
 from ...host.lazy import LazyArray
-from ._base import CheckpointError, FileSlice, TensorInfo, _fmt, _where
+from ._base import Checkpoint, CheckpointError, FileSlice, TensorInfo, _fmt, _where
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python's mmap names it from 3.13 on
 _populate_works = True  # cleared the first time the kernel refuses the advice (then pages fault in as used)
-_MIN_RUN_BYTES = 4096  # below this per preadv segment on average, a mapping copies faster than the reads
+_MIN_RUN_BYTES = 4096  # contiguous runs shorter than this (several per block) are copied from a mapping, not read one by one
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 GATED_BYTES = 64 * 2**20  # a mapped region this large waits for other such regions' fills in flight (see _Gate)
 
@@ -300,7 +300,9 @@ class RegionRead(LazyArray):
         arr = self._t.array()
         arr = arr[tuple(slice(l - tl, h - tl) for l, h, tl in zip(self._lo, self._hi, self._t.lo)) + (Ellipsis,)]
         arr = arr.transpose(self._perm)
-        return arr if dtype is None else arr.astype(dtype, copy=False)
+        if dtype is not None:
+            return arr.astype(dtype, copy=bool(copy))
+        return arr.copy() if copy else arr
 
     def __getitem__(self, index):
         return np.asarray(self)[index]
@@ -309,13 +311,14 @@ class RegionRead(LazyArray):
         return f"RegionRead({self._t.key!r}, {_fmt(self._lo)}..{_fmt(self._hi)}, axes {list(self._perm)})"
 
 
-def read_region(key: str, info: TensorInfo, offset: Sequence[int], shape: Sequence[int], storage: np.dtype,
-                errors: Optional[list] = None) -> RegionRead:
-    """The region ``[offset, offset + shape)`` of tensor ``key`` (checked by the caller) as a :class:`RegionRead`;
-    ``errors``: where its fills add the CheckpointError they raise (the writer reports them as text only)."""
-    lo = tuple(int(v) for v in offset)
-    hi = tuple(o + int(n) for o, n in zip(lo, shape))
-    return RegionRead(_Tensor(key, info, lo, hi, np.dtype(storage), errors), lo, hi, tuple(range(len(lo))))
+def region(ckpt: Checkpoint, key: str, offset: Sequence[int], shape: Sequence[int]) -> RegionRead:
+    """The region ``[offset, offset + shape)`` of tensor ``key`` of ``ckpt`` as a :class:`RegionRead`: nothing is
+    read until it is filled, block by block, straight into the consumer's buffers (what ``convert`` hands the
+    writer); ``np.asarray`` of it gives the values. The CheckpointError a fill raises is also added to
+    ``ckpt.read_errors`` (the writer reports its threads' errors as text only)."""
+    info, lo, shape, storage = ckpt.check_region(key, offset, shape)
+    hi = tuple(o + n for o, n in zip(lo, shape))
+    return RegionRead(_Tensor(key, info, lo, hi, storage, ckpt.read_errors), lo, hi, tuple(range(len(lo))))
 
 
-__all__ = ["RegionRead", "read_region"]
+__all__ = ["RegionRead", "region"]
