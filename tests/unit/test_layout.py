@@ -19,3 +19,12 @@ def test_every_folder_says_what_it_holds():
     missing = [str(d.relative_to(PACKAGE)) for d in PACKAGE.rglob("*") if d.is_dir() and d.name != "__pycache__"
                and any(d.glob("*.py")) and not ast.get_docstring(ast.parse((d / "__init__.py").read_text()))]
     assert missing == [], f"package folders without a docstring in __init__.py: {missing}"
+
+
+def test_the_readme_is_a_newcomers_page():
+    """README: the two commands, the one line, the no-code line, what a snapshot is, where the docs are
+    (issue 33); everything else is one link away in the docs site."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    for must in ("## Two commands", "## One line", "## No code", "## Where snapshots go", "## Documentation"):
+        assert must in readme, must
