@@ -134,7 +134,10 @@ class DeviceBoundary:
                 return out.T, want
         device_cast = want != dtype and self._fits(_dtypes.lookup(want).itemsize)
         moved = want if device_cast else dtype  # what crosses to the host
-        out = self._new(tensor.shape, _dtypes.lookup(moved).np_storage)
+        storage = _dtypes.lookup(moved).np_storage
+        # (the ring only for bytes that go to the writer as they are: a host cast's source would hold ring room
+        # while its result waits for some)
+        out = self._new(tensor.shape, storage) if moved == want else np.empty(tuple(tensor.shape), dtype=storage)
         self._copy_out(tensor, out, want if device_cast else None)
         return self._host_cast(out, moved, want), want
 

@@ -277,9 +277,11 @@ class ExportSession:
         progress = progress_bar(ctx.is_coordinator, sum(p.plan.slots[n].nbytes for n in keep), job.name)
         beat = ctx.watchdog.beat if ctx.watchdog is not None else (lambda: None)
         # a mesh of one hands its slices to the writer as they are: a background export's slices then leave the
-        # device straight into the staging ring (elsewhere they are assembled into new arrays first)
+        # device straight into the staging ring (elsewhere they are assembled into new arrays first, and a LoRA
+        # merge's source would hold ring room while its result waits for some)
+        direct = ctx.mesh.size == 1 and not job.source.local_transforms
         boundary = job.device = DeviceBoundary(self.config.export.device_budget,
-                                               host_alloc=job.exporter.host_alloc() if ctx.mesh.size == 1 else None)
+                                               host_alloc=job.exporter.host_alloc() if direct else None)
         try:
             job.exporter.begin(p.plan, job.staging, job.step, my_files)
             with ctx.waiting("assembly", ctx.mesh_ranks):  # export.timeout_s: no tensor for that long ends the job
