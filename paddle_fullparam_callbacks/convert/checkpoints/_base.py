@@ -104,6 +104,14 @@ def check_tiling(key: str, info: TensorInfo) -> None:
                               f"(a gap: a rank's file or slice is missing)")
 
 
+def open_block_file(s: "FileSlice") -> int:
+    """A read-only descriptor of the file holding block ``s``; a CheckpointError naming it if it cannot be opened."""
+    try:
+        return os.open(s.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CheckpointError(f"{s.file}: cannot be opened: {e.strerror or e}") from e
+
+
 @dataclass
 class Checkpoint:
     """A trainer checkpoint directory, indexed: the model's tensors and where their bytes are."""
@@ -179,10 +187,7 @@ class Checkpoint:
     def _pread(s: FileSlice, dst: np.ndarray) -> None:
         """Fill the C-contiguous ``dst`` with the block's bytes, read straight into it."""
         buf = memoryview(dst.reshape(-1).view(np.uint8))
-        try:
-            fd = os.open(s.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            raise CheckpointError(f"{s.file}: cannot be opened: {e.strerror or e}") from e
+        fd = open_block_file(s)
         try:
             done = 0
             while done < len(buf):

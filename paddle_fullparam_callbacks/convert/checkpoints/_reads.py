@@ -37,7 +37,7 @@ import numpy as np
 
 from ...host.copy import copy_into
 from ...host.lazy import LazyArray
-from ._base import Checkpoint, CheckpointError, FileSlice, TensorInfo, _fmt, _where
+from ._base import Checkpoint, CheckpointError, FileSlice, TensorInfo, _fmt, _where, open_block_file
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python's mmap names it from 3.13 on
 _populate_works = True  # cleared the first time the kernel refuses the advice (then pages fault in as used)
@@ -158,10 +158,7 @@ class _Tensor:
         idx = np.indices(outer, np.int64).reshape(k, -1).T if k else np.zeros((1, 0), np.int64)
         src = (base_s + idx @ sstr).tolist() if k else [base_s]
         dst = (base_d + idx @ dstr).tolist() if k else [base_d]
-        try:
-            fd = os.open(s.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            raise CheckpointError(f"{s.file}: cannot be opened: {e.strerror or e}") from e
+        fd = open_block_file(s)
         try:
             i = 0
             while i < count:  # one preadv per run of file-adjacent segments (at most IOV_MAX of them)
