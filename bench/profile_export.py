@@ -71,33 +71,37 @@ WAITS = ("Condition.wait", "Condition.notify", "Event.wait", "Event.set",
          "Thread.join", "_loop (", ".get (", "acquire")
 
 
-def stage_of(frames: list, rules=()) -> str:
+def stage_of(frames: list, rules=(), stages=STAGES) -> str:
     if frames and any(w in frames[-1] for w in WAITS):
         return "waits (a thread runnable in a lock, queue or the GIL)"
     for frame in reversed(frames):
-        for stage, keys in (*rules, *STAGES):
+        for stage, keys in (*rules, *stages):
             if any(k in frame for k in keys):
                 return stage
     return "other (in the export)"
 
 
-def parse(raw: str, rate: float, rules=()) -> dict:
-    """CPU seconds per stage, and per thread kind, from py-spy's raw (collapsed) output."""
-    stages, threads = collections.Counter(), collections.Counter()
+def in_export(frames: list, thread: str) -> bool:
+    return any("ExportSession.export" in f for f in frames) or thread.startswith(EXPORT_THREADS)
+
+
+def parse(raw: str, rate: float, rules=(), stages=STAGES, inside=in_export) -> dict:
+    """CPU seconds per stage, and per thread kind, from py-spy's raw (collapsed) output: the samples
+    ``inside(frames, thread)`` keeps."""
+    by_stage, threads = collections.Counter(), collections.Counter()
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
         thread = frames[0].split(": ", 1)[-1]
-        inside = any("ExportSession.export" in f for f in frames) or thread.startswith(EXPORT_THREADS)
-        if not inside:
+        if not inside(frames, thread):
             continue
-        stages[stage_of(frames[1:], rules)] += int(count)
+        by_stage[stage_of(frames[1:], rules, stages)] += int(count)
         threads[thread.rstrip("0123456789-") or thread] += int(count)
-    return {"cpu_s_by_stage": {k: round(v / rate, 3) for k, v in stages.most_common()},
+    return {"cpu_s_by_stage": {k: round(v / rate, 3) for k, v in by_stage.most_common()},
             "cpu_s_by_thread": {k: round(v / rate, 3) for k, v in threads.most_common()},
-            "cpu_s_total": round(sum(stages.values()) / rate, 3)}
+            "cpu_s_total": round(sum(by_stage.values()) / rate, 3)}
 
 
 def run_one(py_spy: str, tree: Path, variant: str, rate: float, workdir: Path) -> dict:

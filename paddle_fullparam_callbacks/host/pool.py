@@ -65,6 +65,25 @@ def in_worker() -> bool:
     return getattr(_local, "worker", False)
 
 
+@contextlib.contextmanager
+def meanwhile(fn: Callable[[], None]):
+    """Within it, :func:`while_waiting` on this thread runs ``fn``: work that never waits itself (the writer's
+    hash and write stages), for a task that must wait for another thread (``convert``'s mapped reads)."""
+    prev = getattr(_local, "meanwhile", None)
+    _local.meanwhile = fn
+    try:
+        yield
+    finally:
+        _local.meanwhile = prev
+
+
+def while_waiting() -> None:
+    """Run the calling thread's :func:`meanwhile` work, if it has any, before it waits."""
+    fn = getattr(_local, "meanwhile", None)
+    if fn is not None:
+        fn()
+
+
 class WorkerPool:
     """``size`` daemon threads taking tasks (callables) in submission order.
 

@@ -227,8 +227,11 @@ def test_a_flex_checkpoint_reads_across_its_rank_files(tmp_path):
 
 def test_one_large_mapped_region_is_filled_at_a_time(tmp_path, monkeypatch):
     """The gate: a worker that starts on a second large transposed region while another one's fill is in
-    flight waits for it, so that only one is mapped at a time."""
+    flight waits for it, so that only one is mapped at a time; before it waits, it does the work it was given
+    for meanwhile (the writer's hash and write stages), once."""
     import threading
+
+    from paddle_fullparam_callbacks.host.pool import meanwhile
 
     monkeypatch.setattr(_reads, "GATED_BYTES", 1)
     full = RNG.standard_normal((64, 48)).astype("float32")
@@ -248,10 +251,18 @@ def test_one_large_mapped_region_is_filled_at_a_time(tmp_path, monkeypatch):
     ta = threading.Thread(target=lambda: (a.fill(out_a), order.append("a")))
     ta.start()
     inside.wait(5)
-    tb = threading.Thread(target=lambda: (b.fill(out_b), order.append("b")))
+    helped = []
+
+    def fill_b():
+        with meanwhile(lambda: helped.append(len(order))):
+            b.fill(out_b)
+        order.append("b")
+
+    tb = threading.Thread(target=fill_b)
     tb.start()
     tb.join(0.2)
     assert tb.is_alive() and not b._t._maps  # waiting at the gate, nothing of b mapped yet
+    assert helped == [0]  # its meanwhile work ran, once, while a was still being filled
     release.set()
     ta.join(5)
     tb.join(5)

@@ -307,9 +307,19 @@ def test_abort_unblocks_a_producer_and_a_writer_waiting_for_buffers(tmp_path, sm
     assert len(released) == len(set(released))
 
 
+def test_pool_is_sized_to_the_work(monkeypatch):
+    """A writer of few bytes holds a small copy pool (a buffer per thread and one more), one of many bytes
+    the whole max(_POOL_BLOCKS, _BLOCKS_PER_THREAD x threads)."""
+    for name, value in (("_BLOCK_BYTES", 2 * 2**20), ("_POOL_BLOCKS", 8), ("_BLOCKS_PER_THREAD", 3), ("_POOL_SHARE", 128)):
+        monkeypatch.setattr(writer, name, value)
+    assert writer.pool_blocks(2, 10**6) == 3 and writer.pool_blocks(1, 0) == 2
+    assert writer.pool_blocks(2, 673 * 10**6) == 3  # the convert benchmark's checkpoint: 6 MB, not 16
+    assert writer.pool_blocks(2, 5 * 256 * 2**20) == 5
+    assert writer.pool_blocks(2, 4 * 2**30) == 8 and writer.pool_blocks(4, 4 * 2**30) == 12
+
+
 def test_peak_copy_memory_is_the_pool(tmp_path, monkeypatch):
-    """A large transposed tensor passes through at most max(_POOL_BLOCKS, _BLOCKS_PER_THREAD x threads)
-    blocks of copies."""
+    """A large transposed tensor passes through at most pool_blocks(threads, bytes) blocks of copies."""
     monkeypatch.setattr(writer, "_BLOCK_BYTES", 1 << 16)
     monkeypatch.setattr(writer, "_POOL_BLOCKS", 3)
     made = []
@@ -329,7 +339,7 @@ def test_peak_copy_memory_is_the_pool(tmp_path, monkeypatch):
     w = SnapshotWriter(plan, tmp_path)
     w.put("x", x)
     w.close()
-    bound = max(3, writer._BLOCKS_PER_THREAD * w.threads)
+    bound = writer.pool_blocks(w.threads, plan.files[0].data_bytes)
     blocks = [n for n in made if n == 1 << 16]
     stages = [n for n in made if n != 1 << 16]  # each worker's stage of host/copy.py, made once and reused
     assert w._pool.count == bound and len(blocks) <= bound

@@ -21,7 +21,7 @@ import numpy as np
 
 from ...host.copy import copy_into
 from ...host.lazy import LazyArray
-from ...host.pool import WorkerPool
+from ...host.pool import WorkerPool, meanwhile
 from .stats import WriterStats
 from .syscalls import start_writeback
 
@@ -251,8 +251,13 @@ class Pipeline:
             piece.ready.set()
 
     def _work(self, piece: Piece) -> None:
-        """A worker's task: prepare the piece, then take the hash and write stages as far as they go."""
-        self._prepare(piece)
+        """A worker's task: prepare the piece, then take the hash and write stages as far as they go (also
+        while the preparation waits for another thread: ``host.pool.while_waiting``)."""
+        with meanwhile(self._advance):
+            self._prepare(piece)
+        self._advance()
+
+    def _advance(self) -> None:
         self._hashes.advance()
         self._writes.advance()
 

@@ -8,7 +8,8 @@ pieces that the threads of ``pipeline`` prepare (transposed views copied into fi
 arrays computed: casts, LoRA merges) on the ``export.threads`` workers, hash and write side by
 side. The bytes held for tensors not yet written and hashed never exceed ``max_pending_bytes``
 (one tensor larger than that is let through alone), and the buffers in flight never exceed
-max(``_POOL_BLOCKS``, ``_BLOCKS_PER_THREAD`` x threads) x ``_BLOCK_BYTES``.
+max(``_POOL_BLOCKS``, ``_BLOCKS_PER_THREAD`` x threads) x ``_BLOCK_BYTES``, nor, for a writer of few
+bytes, 1/``_POOL_SHARE`` of its files' bytes (at least threads + 1 buffers): :func:`pool_blocks`.
 """
 from __future__ import annotations
 
@@ -36,10 +37,20 @@ from .syscalls import allocate, pwrite_all
 # Sizes, read when a writer starts (module globals: the tests make them tiny).
 _BLOCK_BYTES = 2 * 2**20  # a strided tensor is copied into file order in blocks of about this size
 _POOL_BLOCKS = 8  # reusable buffers for those copies: at least 8 x 2 MB in flight per writer,
-_BLOCKS_PER_THREAD = 3  # and 3 per worker thread (one being filled, one being hashed or written, one spare)
+_BLOCKS_PER_THREAD = 3  # and 3 per worker thread (one being filled, one being hashed or written, one spare),
+_POOL_SHARE = 128  # but no more than 1/128 of the bytes the writer writes (a small export holds a small pool)
 _PIECE_BYTES = 16 * 2**20  # a contiguous tensor goes to pwrite (and the hash) in pieces of at most this
 _WRITEBACK_EVERY = 64 * 2**20  # early writeback of a file is started every this many bytes
 _ALLOCATE = True  # fallocate each file before writing it (see syscalls.allocate)
+
+
+def pool_blocks(threads: int, data_bytes: int) -> int:
+    """Buffers of the copy pool: max(``_POOL_BLOCKS``, ``_BLOCKS_PER_THREAD`` x threads), or fewer for a writer
+    of few bytes: 1/``_POOL_SHARE`` of them, but at least one per thread and one more (each thread fills one
+    while the one before is hashed and written; the convert benchmark's 673 MB keeps its speed with 3)."""
+    most = max(_POOL_BLOCKS, _BLOCKS_PER_THREAD * threads)
+    sized = -(-int(data_bytes) // (_POOL_SHARE * max(1, _BLOCK_BYTES)))
+    return max(1, min(most, max(sized, threads + 1)))
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -224,7 +235,7 @@ class SnapshotWriter:
         workers = shared(threads) if background else None
         self.threads = workers.size if workers is not None else 1
         self._pipeline = Pipeline(self.stats, lambda fd, b, o: _pwrite_all(fd, b, o), self._fail, workers)
-        blocks = max(_POOL_BLOCKS, _BLOCKS_PER_THREAD * self.threads) if background else 1
+        blocks = pool_blocks(self.threads, sum(f.data_bytes for f in self.files.values())) if background else 1
         self._pool = BlockPool(_BLOCK_BYTES, blocks, self._stopped)
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread = None
