@@ -5,6 +5,7 @@ Run (a few minutes; the machine should otherwise be idle)::
     PY=$(scripts/env.sh paddleformers)
     $PY bench/convert.py              # 3 interleaved repetitions -> bench/results/convert.json
     $PY bench/convert.py --reps 5
+    git archive <commit> | tar -x -C /tmp/before && $PY bench/convert.py --reps 5 --before /tmp/before
 
 The checkpoint: the ~673 MB float32 PaddleFormers Llama of every single-process benchmark
 (``_common.LLAMA_KWARGS``: 8 layers, hidden 1024, vocab 32000, untied LM head), saved in the
@@ -17,7 +18,9 @@ Variants, each in a fresh process, interleaved a, b, c, a, b, c, ...:
   lazy model, plan, read, transpose, write, hash, fsync, commit, all timed;
 * ``convert_workers2``: the same with ``workers=2`` (time only: the workers are other processes);
 * ``raw_copy``: the checkpoint's data files copied by the kernel (``copy_file_range``) into one
-  file, then ``fsync``: the floor of reading and writing the same bytes.
+  file, then ``fsync``: the floor of reading and writing the same bytes;
+* ``convert_before`` (with ``--before TREE``): ``convert`` of that tree's package, in the same rounds
+  (``before``: its figures beside this tree's, paired with the same raw copies).
 
 Memory: the RSS of the converting process is sampled every 2 ms around the timed call (baseline
 read right before it, after the imports); ``RssAnon`` (heap: what convert allocates) and
@@ -116,7 +119,7 @@ def child(variant: str, root: Path, out: Path) -> dict:
     ckpt, config = root / "checkpoint-1", root / "config.json"
     result = {"variant": variant}
     writer_stats = []
-    if variant.startswith("convert"):
+    if variant.startswith("convert"):  # convert_before: the same, the package from PYTHONPATH (the other tree)
         from paddle_fullparam_callbacks.convert.convert import convert
 
         import paddleformers.transformers  # noqa: F401  (imported before the baseline, as in a user's process)
@@ -173,6 +176,21 @@ def child(variant: str, root: Path, out: Path) -> dict:
     return result
 
 
+def _before(tree: str, runs: dict) -> dict:
+    """The other tree's convert, in the same rounds: its seconds and RSS, paired with the same raw copies."""
+    before, raw = runs["convert_before"], runs["raw_copy"]
+    return {"tree": str(Path(tree).resolve()),
+            "seconds": C.median([r["seconds"] for r in before]),
+            "all_seconds": [r["seconds"] for r in before],
+            "median_paired_ratio_vs_raw_copy": round(C.median([a["seconds"] / b["seconds"] for a, b in zip(raw, before)]), 3),
+            "median_paired_ratio_export_vs_raw_copy": round(C.median([a["seconds"] / b["timings"]["total_s"]
+                                                                      for a, b in zip(raw, before)]), 3),
+            "peak_extra_rss_bytes": {k: max(r["rss_extra"][k] for r in before) for k in ("VmRSS", "RssAnon", "RssFile")},
+            "prepare_s": [round(r["prepare_s"], 3) for r in before],
+            "all_paired_ratio_after_vs_before": [round(b["seconds"] / a["seconds"], 3)
+                                                 for a, b in zip(runs["convert"], before)]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
@@ -180,6 +198,7 @@ def main():
     ap.add_argument("--root")
     ap.add_argument("--out")
     ap.add_argument("--make")
+    ap.add_argument("--before", help="a checkout of another tree: its convert runs in the same rounds")
     ns = ap.parse_args()
     if ns.make:
         print(json.dumps(make_checkpoint(Path(ns.make))))
@@ -191,14 +210,17 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="pfc_bench_convert_"))
     try:
         facts = C.run_child([__file__, "--make", str(work / "src")])
-        runs = {v: [] for v in VARIANTS}
+        variants = VARIANTS + (("convert_before",) if ns.before else ())
+        runs = {v: [] for v in variants}
         quiet = []
         for rep in range(ns.reps):
-            for v in VARIANTS:
+            for v in variants:
                 out = work / f"out-{v}-{rep}"
                 os.sync()
                 quiet.append(C.wait_quiet(180))
-                r = C.run_child([__file__, "--variant", v, "--root", str(work / "src"), "--out", str(out)])
+                env = dict(os.environ, PYTHONPATH=str(Path(ns.before).resolve())) if v == "convert_before" else None
+                r = C.run_child([__file__, "--variant", "convert" if env else v, "--root", str(work / "src"),
+                                 "--out", str(out)], env=env)
                 runs[v].append(r)
                 shutil.rmtree(out, ignore_errors=True)
                 extra = r["rss_extra"]
@@ -248,6 +270,7 @@ def main():
         "prepare_s": [round(r["prepare_s"], 3) for r in runs["convert"]],
         "timings_convert": runs["convert"][-1].get("timings"),
         "writer_convert": runs["convert"][-1].get("writer"),
+        "before": _before(ns.before, runs) if ns.before else None,
         "machine": C.machine_info(),
         "commit": C.git_commit(),
         "date": C.now_iso(),
