@@ -18,30 +18,19 @@ fi
 env_root=$("$here/scripts/env.sh" --root)
 cache="$(dirname "$env_root")/llama.cpp"
 dir="$cache/$VERSION-$(echo "llama-cpp-python==$VERSION $SHA256" | sha256sum | cut -c1-12)"
-converter="$dir/convert_hf_to_gguf.py"
 
-if [ ! -f "$converter" ]; then
-  mkdir -p "$cache"
-  exec 9>"$dir.lock"
-  flock 9
-  if [ ! -f "$converter" ]; then
-    echo "llama_cpp.sh: fetching llama.cpp's converter (llama-cpp-python $VERSION's sdist, 77 MB) into $dir" >&2
-    tmp=$(mktemp -d "$dir.tmp.XXXXXX")
-    chmod 755 "$tmp"
-    trap 'rm -rf "$tmp"' EXIT
-    echo "llama-cpp-python==$VERSION --hash=sha256:$SHA256" > "$tmp/pin.txt"
-    # pip prepares the sdist's metadata (its build backend, in an isolated build environment) before
-    # saving it; nothing is compiled
-    (unset PYTHONPATH; "$py" -m pip download -q --no-deps --no-binary :all: --require-hashes -r "$tmp/pin.txt" \
-       -d "$tmp/sdist" 2> >(grep -v "^WARNING: Location" >&2)) >&2
-    top="llama_cpp_python-$VERSION/vendor/llama.cpp"
-    tar -xzf "$tmp/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$tmp" --strip-components=3 \
-      "$top/convert_hf_to_gguf.py" "$top/conversion" "$top/gguf-py" "$top/LICENSE"
-    rm -rf "$tmp/sdist" "$tmp/pin.txt"
-    # the folder appears complete or not at all
-    rm -rf "$dir"
-    mv -T "$tmp" "$dir"
-    trap - EXIT
-  fi
-fi
-echo "$converter"
+fetch() {
+  echo "llama_cpp.sh: fetching llama.cpp's converter (llama-cpp-python $VERSION's sdist, 77 MB) into $dir" >&2
+  echo "llama-cpp-python==$VERSION --hash=sha256:$SHA256" > "$1/pin.txt"
+  # pip prepares the sdist's metadata (its build backend, in an isolated build environment) before
+  # saving it; nothing is compiled
+  (unset PYTHONPATH; "$py" -m pip download -q --no-deps --no-binary :all: --require-hashes -r "$1/pin.txt" \
+     -d "$1/sdist" 2> >(grep -v "^WARNING: Location" >&2)) >&2
+  local top="llama_cpp_python-$VERSION/vendor/llama.cpp"
+  tar -xzf "$1/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$1" --strip-components=3 \
+    "$top/convert_hf_to_gguf.py" "$top/conversion" "$top/gguf-py" "$top/LICENSE"
+  rm -rf "$1/sdist" "$1/pin.txt"
+}
+source "$here/scripts/_build_once.sh"
+build_once "$dir" convert_hf_to_gguf.py fetch
+echo "$dir/convert_hf_to_gguf.py"
