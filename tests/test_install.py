@@ -112,6 +112,13 @@ def test_sdist_and_wheel_carry_the_recipes(built):
         in_sdist = sorted(n.rsplit("/", 1)[1] for n in t.getnames()
                           if re.fullmatch(r"[^/]+/paddle_fullparam_callbacks/recipes/[^/]+\.yaml", n))
     assert RECIPES and in_wheel == RECIPES and in_sdist == RECIPES
+    # the demo's tokenizer, every file of it (tokenizer.model too: what llama.cpp's converter reads)
+    tok = "paddle_fullparam_callbacks/cli/demo_data/tokenizer/"
+    shipped = sorted(p.name for p in (ROOT / tok).iterdir())
+    with zipfile.ZipFile(wheel) as z:
+        assert sorted(n[len(tok):] for n in z.namelist() if n.startswith(tok)) == shipped
+    with tarfile.open(sdist) as t:
+        assert sorted(n.split(tok, 1)[1] for n in t.getnames() if tok in n and not n.endswith("/tokenizer")) == shipped
     # the startup hook's one line, at the wheel's top level where site.py reads .pth files, as written in the source
     with zipfile.ZipFile(wheel) as z:
         assert z.read("paddle_fullparam_callbacks.pth") == PTH.read_bytes()

@@ -298,7 +298,7 @@ def check_evaluate_each_snapshot(run: DemoRun) -> None:
         record = json.loads((snap / "fullparam_evaluation.json").read_text())
         assert record["status"] == "ok" and record["scores"]["perplexity"] == pytest.approx(ppl[n], abs=1e-6)
         scores = record["scores"]
-        assert scores["perplexity"] == pytest.approx(math.exp(scores["nll"])) and scores["tokens"] == 337
+        assert scores["perplexity"] == pytest.approx(math.exp(scores["nll"])) and scores["tokens"] == 356
         assert record["result"]["text"].endswith("cli/demo_data/heldout.txt")
         assert sorted(p.name for p in snap.iterdir() if p.name.startswith(("fullparam_", ".fullparam"))) == [
             "fullparam_eval.log", "fullparam_evaluation.json", "fullparam_manifest.json"]
