@@ -236,9 +236,9 @@ def test_no_tiny_run_changed_the_recorded_results(tiny_runs, recorded):
 def test_a_tiny_run_refuses_the_recorded_results():
     """Told to write into bench/results, a tiny run stops before writing (thread_scaling reads the recorded
     export_single.json and builds no model: it gets as far as writing)."""
-    recorded = _digests(RECORDED)
+    before = _digests(RECORDED)
     env = dict(os.environ, PFC_BENCH_TINY="1", PFC_BENCH_RESULTS=str(RECORDED))
     proc = subprocess.run([sys.executable, str(BENCH / "thread_scaling.py")], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0 and "writes no figures into" in proc.stderr, proc.stdout + proc.stderr
-    assert _digests(RECORDED) == recorded
+    assert _digests(RECORDED) == before
