@@ -449,7 +449,8 @@ def figures_of(result: dict) -> tuple:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default=C.tiny("small", "tiny"), choices=("tiny", "small", "full"))
-    ap.add_argument("--cases", default=C.tiny(",".join(CASES), TINY_CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    ap.add_argument("--cases", default=C.tiny(",".join(CASES), TINY_CASES),
+                    help=f"comma-separated, of {', '.join(CASES)}")
     ap.add_argument("--reps", type=int, default=C.tiny(3, 1), help="timed repetitions per variant in each launch")
     ap.add_argument("--max-shard-size", default="", help="export.max_shard_size (default: 1MB small, 4MB full)")
     ap.add_argument("--planner-reps", type=int, default=C.tiny(3, 1))

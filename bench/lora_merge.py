@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="(child) directory to write into")
     ap.add_argument("--reps", type=int, default=C.tiny(3, 1), help="interleaved repetitions (default 3)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--regimes", default=C.tiny(",".join(REGIMES), "tmpfs"))  # tiny: the regimes differ in the folder only
+    # tiny mode (bench/_common.py): the regimes differ in the folder only
+    ap.add_argument("--regimes", default=C.tiny(",".join(REGIMES), "tmpfs"))
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="at most this long to wait for idle CPUs per child")
     ap.add_argument("--result", type=Path, default=RESULT_PATH)
     args = ap.parse_args(argv)

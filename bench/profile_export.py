@@ -168,7 +168,8 @@ def main(argv=None) -> int:
                       flush=True)
     out = {"benchmark": "profile_export", "tool": "py-spy record --format raw --threads --nonblocking",
            "rate_hz": args.rate, "repetitions": args.reps, "trees": {k: str(v) for k, v in trees.items()},
-           "rule": " ".join(next(t for t in __doc__.split("\n\n") if t.startswith("Each variant")).split()), "stages": [s for s, _ in STAGES], "variants": {}}
+           "rule": " ".join(next(t for t in __doc__.split("\n\n") if t.startswith("Each variant")).split()),
+           "stages": [s for s, _ in STAGES], "variants": {}}
     for v in variants:
         out["variants"][v] = {t: {"export_seconds_median": round(C.median([r["export_seconds"] for r in runs[(t, v)]]), 4),
                                   "cpu_s_total_median": round(C.median([r["cpu_s_total"] for r in runs[(t, v)]]), 3),
