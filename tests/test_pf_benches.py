@@ -83,7 +83,8 @@ BENCHES = {
                     ("generator_errors",): 0},
     "run_startup": {("added_median_ms", "wheel_hook_on_ms"): None, ("added_median_ms", "clone_run_ms"): None,
                     ("added_cpu_median_ms", "wheel_hook_off_ms"): None, ("heavy_modules_added",): []},
-    "thread_scaling": {("variants", "float32", "measured_s", "2"): None, ("variants", "float32", "predicted_s", "24"): None,
+    "thread_scaling": {("variants", "float32", "measured_s", "2"): None,
+                       ("variants", "float32", "predicted_s", "24"): None,
                        ("variants", "bfloat16", "per_thread_gb_s", "hash"): None,
                        ("variants", "bfloat16", "bound_beyond_2_threads"): None},
 }
