@@ -107,6 +107,23 @@ def test_a_claim_that_fails_keeps_the_cause_and_whatever_it_took(tmp_path, quiet
     assert late.error[0] in ("NotADirectoryError", "FileExistsError") and late.lock is not None and late.tokens == []
 
 
+def test_a_defect_in_the_claim_is_kept_too_so_no_rank_is_left_waiting(tmp_path, quiet_claims, monkeypatch):
+    """Anything that stops the claim, not only an OSError, reaches the start's exchange (raised past it, the
+    other ranks would wait there until a timeout); every rank then raises the same error, naming the cause."""
+    def broken(*args, **kwargs):
+        raise ValueError("a run id that does not parse")
+
+    monkeypatch.setattr(startup, "newest_run", broken)
+    claim = startup.Claim()
+    claim.take(tmp_path / "snaps", PATTERN, True, [], holder=None)
+    assert claim.error == ("ValueError", "a run id that does not parse") and claim.lock is not None
+    err = startup.claim_error(*claim.error)
+    assert type(err) is RuntimeError and "ValueError: a run id that does not parse" in str(err)
+    assert type(startup.claim_error("OutputDirLocked", "m")) is commit.OutputDirLocked
+    assert type(startup.claim_error("NotADirectoryError", "m")) is OSError  # every OSError kind: an OSError
+    assert type(startup.claim_error("PermissionError", "m")) is OSError
+
+
 def test_the_proof_passes_without_leaving_a_file_and_times_its_parts(tmp_path):
     ctx, timings = LocalContext(), {}
     assert startup.prove_shared(ctx, [], [], timings) is None and timings == {}

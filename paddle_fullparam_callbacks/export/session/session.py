@@ -101,7 +101,7 @@ class ExportSession:
         if errors:
             kind, message = errors[0]
             startup.remove_tokens(self.ctx, targets, claim.tokens)
-            raise (commit.OutputDirLocked if kind == "OutputDirLocked" else OSError)(message)
+            raise startup.claim_error(kind, message)
         self.committer.run_id, self.committer.seq = gathered[self.ctx.coordinator][1]
         unshared = startup.prove_shared(self.ctx, targets, gathered[self.ctx.coordinator][2], self.start_timings)
         if unshared:

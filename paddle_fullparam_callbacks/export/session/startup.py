@@ -15,6 +15,7 @@ watchdog: every rank enters the same collectives in the same order) and acts on 
 from __future__ import annotations
 
 import atexit
+import builtins
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ class Claim:
     lock: Optional[OutputDirLock] = None
     removed: List[str] = field(default_factory=list)  # leftovers of interrupted exports
     tokens: List[str] = field(default_factory=list)  # one per target, in order
-    error: Optional[Tuple[str, str]] = None  # (exception type name, message): OSError or OutputDirLocked
+    error: Optional[Tuple[str, str]] = None  # (exception type name, message) of what stopped the claim
 
     @property
     def shared(self) -> tuple:
@@ -48,8 +49,10 @@ class Claim:
         return self.error, self.run, self.tokens
 
     def take(self, output_dir: Path, pattern, resume: bool, targets: Sequence[Target], holder) -> None:
-        """Claim ``output_dir`` (``targets[0]``; the rest are made if missing); an OSError or OutputDirLocked
-        is kept in ``error`` and stops the claim where it happened (a lock already taken stays in ``lock``).
+        """Claim ``output_dir`` (``targets[0]``; the rest are made if missing). Whatever stops the claim (an
+        OSError, OutputDirLocked, or any other exception) is kept in ``error``, never raised here: every rank
+        waits in the start's exchange for the coordinator's outcome, so an exception raised past it would leave
+        them waiting. A lock already taken stays in ``lock``.
 
         ``resume``: continue the run of the newest snapshot here; ``holder``: the lock's owner (released
         when it is garbage)."""
@@ -67,8 +70,18 @@ class Claim:
             for _, directory in targets[1:]:
                 Path(directory).mkdir(parents=True, exist_ok=True)
             self.tokens = [visibility.write_token(d) for _, d in targets]
-        except (OSError, commit.OutputDirLocked) as e:
+        except Exception as e:  # noqa: BLE001 -- raised by the session after the exchange, on every rank
             self.error = (type(e).__name__, str(e))
+
+
+def claim_error(kind: str, message: str) -> Exception:
+    """The exception every rank raises for a failed claim (``Claim.error``): OutputDirLocked, an OSError for
+    any of its kinds, and for anything else (a defect) a RuntimeError that names what the coordinator met."""
+    if kind == "OutputDirLocked":
+        return commit.OutputDirLocked(message)
+    if isinstance(getattr(builtins, kind, None), type) and issubclass(getattr(builtins, kind), OSError):
+        return OSError(message)
+    return RuntimeError(f"the coordinator's claim on output_dir failed with {kind}: {message}")
 
 
 def remove_tokens(ctx, targets: Sequence[Target], tokens: Sequence[str]) -> None:
