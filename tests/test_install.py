@@ -258,7 +258,7 @@ def test_two_checkouts_each_test_their_own_code(tmp_path):
     probe = "tests/install/probe_checkout.py"
     # both at once, each through its own Makefile, on the same shared (cached) environments
     procs = {m: subprocess.Popen(["make", "-s", "-C", str(d), "test-paddleformers", f"TESTS={probe}",
-                                  "PYTEST_ARGS=-q -p no:cacheprovider"],
+                                  "PYTEST_ARGS=-q -p no:cacheprovider", "TEST_WORKERS=0"],
                                  env=W.clean_env(PFC_PROBE_OUT=str(tmp_path / f"{m}.json")),
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for m, d in copies.items()}
