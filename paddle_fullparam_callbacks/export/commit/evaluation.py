@@ -1,6 +1,6 @@
 """The evaluation record of a snapshot: ``fullparam_evaluation.json``, beside its manifest.
 
-The evaluation hook (``export/evaluate/``) scores committed snapshots in separate processes; what
+The evaluation hook (``consumers/evaluate/``) scores committed snapshots in separate processes; what
 it found is kept in the snapshot's folder, never in the files ``verify`` checks (the manifest's
 ``files`` table, the shards, the index)::
 

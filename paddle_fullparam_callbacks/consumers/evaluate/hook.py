@@ -27,16 +27,16 @@ from typing import Dict, List, Optional, Set
 
 from ... import _faults
 from ...config.schema import EvaluateConfig
-from ..commit import evaluation as records
-from ..commit.ownership import delete_marked, is_marked, mark, snapshot_identity
-from ..write.fsync import write_json_durable
+from ...export.commit import evaluation as records
+from ...export.commit.ownership import delete_marked, is_marked, mark, snapshot_identity
+from ...export.write.fsync import write_json_durable
 from . import result as results
 from .command import build_argv, describe
 from ..runner import EVALUATOR_PID, KILL_GRACE_S, STATUS, find, is_alive
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 
-RUNNER = Path(__file__).resolve().parents[1] / "runner.py"  # export/runner.py: shared with the publisher
+RUNNER = Path(__file__).resolve().parents[1] / "runner.py"  # consumers/runner.py: shared with the publisher
 OUTPUT = "output.json"
 BACKSTOP_S = 60.0  # beyond evaluate.timeout_s: the hook stops a runner that did not stop itself
 STOP_WAIT_S = 15.0  # at the end: how long stopped evaluations get to record themselves as unfinished

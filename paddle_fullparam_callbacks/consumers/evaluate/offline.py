@@ -15,10 +15,10 @@ from typing import Callable, List
 
 from ...config.schema import ConfigError, FullParamConfig
 from ...plan.naming import snapshot_step_pattern
-from ..commit import evaluation as records
-from ..commit.lock import OutputDirLocked, acquire_lock
-from ..commit.ownership import read_manifest
-from ..commit.retention import list_snapshots, newest_run, update_best
+from ...export.commit import evaluation as records
+from ...export.commit.lock import OutputDirLocked, acquire_lock
+from ...export.commit.ownership import read_manifest
+from ...export.commit.retention import list_snapshots, newest_run, update_best
 from .command import resolve_python
 from .hook import Evaluation, EvaluationHook
 from .recovery import recover

@@ -22,8 +22,8 @@ import signal
 from pathlib import Path
 from typing import Iterable, List, Optional, Tuple
 
-from ..commit import evaluation as records
-from ..commit.ownership import is_marked, snapshot_identity
+from ...export.commit import evaluation as records
+from ...export.commit.ownership import is_marked, snapshot_identity
 from .hook import OUTPUT, Evaluation, EvaluationHook, finalize, records_json, runner_state
 from ..runner import EVALUATOR_PID, STATUS
 
@@ -61,7 +61,7 @@ def recover(snapshots: Iterable[Tuple[str, int, Path, bool]], hook: Optional[Eva
 def _running_from_work(name: str, step: int, path: Path, work: Path) -> Optional[dict]:
     """A work folder without a running record: the job died between starting the runner and
     recording it (or after the final record, before removing the folder)."""
-    from ..commit.ownership import delete_marked
+    from ...export.commit.ownership import delete_marked
 
     record = records.read_record(path)
     spec = records_json(work / "spec.json")

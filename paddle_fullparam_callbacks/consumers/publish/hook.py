@@ -1,5 +1,5 @@
 """The coordinator's line of publications: committed snapshots go out one at a time, each in a runner
-process (``export/runner.py``, the evaluation hook's: lower priority, its own session, log, timeout,
+process (``consumers/runner.py``, the evaluation hook's: lower priority, its own session, log, timeout,
 status) that runs the S3 publishing process (``worker.py``) or ``publish.command``.
 
 Nothing of it runs on the training thread but bookkeeping: :meth:`PublishHook.committed` puts a
@@ -29,10 +29,10 @@ from typing import Callable, Dict, List, Optional, Set
 
 from ... import _faults
 from ...config.schema import FullParamConfig
-from ..commit.ownership import delete_marked, is_marked, mark, snapshot_identity
-from ..commit.pointers import read_pointer
+from ...export.commit.ownership import delete_marked, is_marked, mark, snapshot_identity
+from ...export.commit.pointers import read_pointer
 from ..runner import KILL_GRACE_S, STATUS, is_alive
-from ..write.fsync import write_json_durable
+from ...export.write.fsync import write_json_durable
 from . import records
 from .result import final_entry
 
@@ -296,7 +296,7 @@ class PublishHook:
     def _argv(self, pub: Publication, work: Path) -> List[str]:
         if self.cfg.url:
             write_json_durable(work / SPEC, self.spec(pub, work))
-            return [sys.executable, "-m", "paddle_fullparam_callbacks.export.publish.worker", str(work / SPEC),
+            return [sys.executable, "-m", "paddle_fullparam_callbacks.consumers.publish.worker", str(work / SPEC),
                     str(work / OUTPUT)]
         import shlex
 

@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from ..write.fsync import fsync_dir, write_json_durable
+from ...export.write.fsync import fsync_dir, write_json_durable
 
 RECORD = "fullparam_publish.json"
 LOG = "fullparam_publish.log"

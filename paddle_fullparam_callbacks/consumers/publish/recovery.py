@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from ..commit.ownership import is_marked
+from ...export.commit.ownership import is_marked
 from ..runner import STATUS, find, is_alive
 from . import records
 from .hook import Publication, PublishHook, finalize
