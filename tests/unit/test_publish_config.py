@@ -151,7 +151,7 @@ def test_a_runner_started_but_never_recorded_is_found_and_adopted(tmp_path):
     import psutil
 
     from paddle_fullparam_callbacks.export.commit.ownership import mark
-    from paddle_fullparam_callbacks.consumers.publish.hook import RUNNER
+    from paddle_fullparam_callbacks.consumers.hook import RUNNER
     from paddle_fullparam_callbacks.consumers.publish.recovery import recover
     from paddle_fullparam_callbacks.consumers.runner import is_alive
 

@@ -79,7 +79,7 @@ def _evaluate(snaps, output_dir, config, python, redo, settle, say, lock) -> Lis
         record = records.read_record(snap)
         if str(Path(snap).resolve()) in busy or (record is not None and record.get("status") not in redo_statuses):
             continue
-        hook.submit(Evaluation(name, Path(snap).resolve(), step, in_dir))
+        hook.submit(Evaluation(name, Path(snap).resolve(), step, in_output_dir=in_dir))
         todo += 1
     say(f"evaluating {todo} of {len(snaps)} snapshot(s) with: {config.evaluate.command or config.evaluate.callable}")
     hook.close(WAIT_FOREVER_S)
