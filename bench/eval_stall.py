@@ -63,7 +63,7 @@ def child(variant: str, out: Path, exports: int, steps: int, eval_cpu: float) ->
 
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
-    from paddle_fullparam_callbacks.export.evaluate import EvaluationHook
+    from paddle_fullparam_callbacks.consumers.evaluate import EvaluationHook
     from paddle_fullparam_callbacks.models.model_info import build_model_source
 
     script = out.parent / "evaluator.py"

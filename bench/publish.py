@@ -95,7 +95,7 @@ def throughput(endpoint: str, reps: int, shards: int, shard_mb: int, part_mb: in
     from boto3.s3.transfer import S3Transfer, TransferConfig
 
     from paddle_fullparam_callbacks.config.schema import PublishConfig
-    from paddle_fullparam_callbacks.export.publish.engine import publish_one
+    from paddle_fullparam_callbacks.consumers.publish.engine import publish_one
 
     root = Path(tempfile.mkdtemp(prefix="pfc_publish_bench_"))
     c = boto3.client("s3", endpoint_url=endpoint)
@@ -149,7 +149,7 @@ def child(variant: str, out: Path, endpoint: str, exports: int, steps: int, pref
 
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
-    from paddle_fullparam_callbacks.export.publish.hook import PublishHook
+    from paddle_fullparam_callbacks.consumers.publish.hook import PublishHook
     from paddle_fullparam_callbacks.models.model_info import build_model_source
 
     over = [f"output_dir={out}", "export.max_shard_size=5GB"]

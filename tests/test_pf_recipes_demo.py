@@ -273,7 +273,7 @@ def check_evaluate_each_snapshot(run: DemoRun) -> None:
     # best follows it": every 10 steps of 30, each snapshot evaluated by the real perplexity evaluator
     cfg = load_config("evaluate_each_snapshot")
     e, r = cfg.evaluate, cfg.retention
-    assert e.command == "{python} -m paddle_fullparam_callbacks.export.evaluate.perplexity {snapshot} --output {output}"
+    assert e.command == "{python} -m paddle_fullparam_callbacks.consumers.evaluate.perplexity {snapshot} --output {output}"
     assert (e.python, e.every, e.last, e.max_concurrent) == ("$PFC_HF_PYTHON", 1, True, 1)
     assert (r.metric, r.mode, r.keep_best, r.keep_last) == ("evaluate.perplexity", "min", 2, 1)
     assert run.line("demo: recipe evaluate_each_snapshot, 30 steps") == "demo: recipe evaluate_each_snapshot, 30 steps"
