@@ -8,6 +8,10 @@ SHELL := /bin/bash
 ENV := scripts/env.sh
 BASE_PYTHON := $${PFC_BASE_PYTHON:-python3}
 PYTEST_ARGS ?= --durations=15
+# each pass runs on TEST_WORKERS pytest-xdist workers; a file (its tests and its module fixtures, e.g. one
+# launch checked by many tests) stays on one worker. TEST_WORKERS=0 runs a pass in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 # what the PaddleFormers pass runs (tests/test_install.py builds and installs the wheel)
 TESTS ?= tests
 export PYTHONPATH := $(CURDIR)
@@ -58,12 +62,12 @@ docs:
 test-paddleformers:
 	@PY=$$($(ENV) paddleformers); HF=$$($(ENV) hf); \
 	echo "== tests in the PaddleFormers environment"; \
-	PFC_HF_PYTHON=$$HF $$PY -m pytest $(TESTS) --ignore-glob='tests/test_pnlp_*' $(PYTEST_ARGS)
+	PFC_HF_PYTHON=$$HF $$PY -m pytest $(TESTS) --ignore-glob='tests/test_pnlp_*' $(XDIST) $(PYTEST_ARGS)
 
 test-paddlenlp:
 	@PY=$$($(ENV) paddlenlp); HF=$$($(ENV) hf); \
 	echo "== tests in the PaddleNLP environment"; \
-	PFC_HF_PYTHON=$$HF $$PY -m pytest tests --ignore-glob='tests/test_pf_*' --ignore-glob='tests/unit/test_pf_*' --ignore=tests/test_install.py $(PYTEST_ARGS)
+	PFC_HF_PYTHON=$$HF $$PY -m pytest tests --ignore-glob='tests/test_pf_*' --ignore-glob='tests/unit/test_pf_*' --ignore=tests/test_install.py $(XDIST) $(PYTEST_ARGS)
 
 bench:
 	@PY=$$($(ENV) paddleformers); \

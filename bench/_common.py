@@ -2,6 +2,14 @@
 
 Nothing here imports paddle at module import time, so the parent (orchestrating) process of a
 benchmark stays light; each measured variant runs in its own child process.
+
+The tiny mode, for every benchmark alike: ``PFC_BENCH_TINY=1`` in the environment (children and
+launched ranks inherit it) makes each benchmark run once at its smallest size (``LLAMA_KWARGS`` a
+Llama of a few MB, one repetition, one case of each kind, no waiting for idle CPUs) to prove that it
+still runs and writes its JSON; ``tests/test_pf_benches.py`` runs them so. Its JSON goes to
+``PFC_BENCH_RESULTS`` (a folder; by default ``$TMPDIR/pfc_bench_tiny``), never into bench/results:
+``write_json`` refuses that folder in the tiny mode. ``PFC_BENCH_RESULTS`` also moves a real run's
+results (``make bench`` leaves it unset: bench/results).
 """
 from __future__ import annotations
 
@@ -13,23 +21,41 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
 BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_DIR = BENCH_DIR / "results"
+OWN_RESULTS = BENCH_DIR / "results"  # the recorded figures (make bench); never written in the tiny mode
+TINY = os.environ.get("PFC_BENCH_TINY", "").strip() not in ("", "0")
 
-# The ~600 MB float32 Llama every single-process benchmark uses.
+
+def tiny(real, small):
+    """``small`` in the tiny mode (``PFC_BENCH_TINY=1``), ``real`` otherwise."""
+    return small if TINY else real
+
+
+def _results_dir() -> Path:
+    chosen = os.environ.get("PFC_BENCH_RESULTS", "").strip()
+    if chosen:
+        return Path(chosen).resolve()
+    return Path(tempfile.gettempdir()) / "pfc_bench_tiny" if TINY else OWN_RESULTS
+
+
+RESULTS_DIR = _results_dir()
+
+# The ~600 MB float32 Llama every single-process benchmark uses (in the tiny mode: 2 layers, hidden 64,
+# vocab 512, about 1 MB; 16 heads of 4 as the real one has 16 of 64).
 LLAMA_KWARGS = dict(
-    vocab_size=32000,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=8,
+    vocab_size=tiny(32000, 512),
+    hidden_size=tiny(1024, 64),
+    intermediate_size=tiny(2816, 176),
+    num_hidden_layers=tiny(8, 2),
     num_attention_heads=16,
     num_key_value_heads=16,
-    max_position_embeddings=2048,
+    max_position_embeddings=tiny(2048, 128),
     fuse_rms_norm=False,
     tie_word_embeddings=False,
 )
@@ -157,8 +183,12 @@ def trim_heap() -> bool:
 def wait_quiet(max_wait: float = 60.0, busy_below: float = 15.0, window: float = 1.0) -> dict:
     """Wait (at most ``max_wait`` s) until the machine's CPUs are idle: less than ``busy_below``
     percent busy over ``window`` s. Other work on a shared 2-core machine (someone else's tests)
-    otherwise lands in whichever variant runs beside it. Returns what it saw, for the record."""
+    otherwise lands in whichever variant runs beside it. Returns what it saw, for the record.
+    In the tiny mode it looks once, briefly, and does not wait."""
     import psutil
+
+    if TINY:
+        max_wait, window = 0.0, 0.05
 
     t0 = time.perf_counter()
     busy = 100.0
@@ -246,6 +276,16 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
+    if TINY:  # the versions the environment installed, without a process that imports Paddle
+        from importlib import metadata
+
+        for key, dist in (("paddle", "paddlepaddle"), ("paddleformers", "paddleformers"), ("numpy", "numpy"),
+                          ("safetensors", "safetensors")):
+            try:
+                info[key] = metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                info[key] = None
+        return info
     try:
         out = subprocess.run(
             [sys.executable, "-c", "import paddle, paddleformers, numpy, safetensors;"
@@ -276,6 +316,12 @@ def now_iso() -> str:
 
 
 def write_json(path: Path, obj: dict) -> None:
+    path = Path(path)
+    if TINY and path.resolve().is_relative_to(OWN_RESULTS.resolve()):
+        raise SystemExit(f"PFC_BENCH_TINY is set: a tiny run writes no figures into {OWN_RESULTS} (asked for "
+                         f"{path}); set PFC_BENCH_RESULTS to another folder")
+    if TINY:
+        obj["tiny"] = True
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 

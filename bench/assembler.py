@@ -94,7 +94,7 @@ TARGETS = {
     "plan_50k_seconds - aoa_50k_seconds": "<= 5",
     "replan_50k_seconds": "<= 0.5",
 }
-LAYERS, EXPERTS = 64, 256
+LAYERS, EXPERTS = C.tiny(64, 2), C.tiny(256, 4)
 KERNEL_SLACK = 64 * 2**10  # barrier, store and gloo bookkeeping bytes inside a measured window
 
 # name: launch shape (nproc) and assembler_ranks.py arguments
@@ -108,6 +108,8 @@ CASES = {
     "ep_data_dp2xpp2xmp2": dict(nproc=8, dp=2, pp=2, mp=2, experts="data"),
 }
 MP2_MESHES = ("mp2xpp2", "dp2xmp2", "mp2xpp4")  # target (2): meshes that are mp2 (x pp)
+# the tiny mode (bench/_common.py): a pipeline mesh, and experts over the data axis (where Paddle's path is refused)
+TINY_CASES = "mp2xpp2,ep_data_dp2xmp2"
 STORE_ABORT = "uv__finish_close"  # Paddle's TCPStore abort at start-up (CPU_CLUSTER.md): retried once
 
 
@@ -446,11 +448,12 @@ def figures_of(result: dict) -> tuple:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="small", choices=("small", "full"))
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per variant in each launch")
+    ap.add_argument("--size", default=C.tiny("small", "tiny"), choices=("tiny", "small", "full"))
+    ap.add_argument("--cases", default=C.tiny(",".join(CASES), TINY_CASES),
+                    help=f"comma-separated, of {', '.join(CASES)}")
+    ap.add_argument("--reps", type=int, default=C.tiny(3, 1), help="timed repetitions per variant in each launch")
     ap.add_argument("--max-shard-size", default="", help="export.max_shard_size (default: 1MB small, 4MB full)")
-    ap.add_argument("--planner-reps", type=int, default=3)
+    ap.add_argument("--planner-reps", type=int, default=C.tiny(3, 1))
     ap.add_argument("--timeout", type=float, default=900, help="seconds before a launch is killed")
     ap.add_argument("--skip-launch", action="store_true")
     ap.add_argument("--skip-planner", action="store_true")

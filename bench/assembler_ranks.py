@@ -60,13 +60,15 @@ import numpy as np  # noqa: E402
 import harness  # noqa: E402
 
 # Model dimensions per size (TinyParallelLlama, float32). "full" is the ~88 MiB model of
-# CPU_CLUSTER.md's 2026-12-03 measurement; "small" runs each case in seconds.
+# CPU_CLUSTER.md's 2026-12-03 measurement; "small" runs each case in seconds; "tiny" (under 1 MiB) is the
+# orchestrators' size in the tiny mode (PFC_BENCH_TINY=1, bench/_common.py).
 SIZES = {
+    "tiny": dict(vocab=256, hidden=64, inter=128, layers=4, heads=4, kv_heads=2),
     "small": dict(vocab=2048, hidden=256, inter=512, layers=4, heads=4, kv_heads=2),
     "full": dict(vocab=4096, hidden=512, inter=1024, layers=8, heads=4, kv_heads=2),
 }
 # export.max_shard_size per size: about ten files per four ranks, so placement has files to spread
-MAX_SHARD = {"small": "1MB", "full": "4MB"}
+MAX_SHARD = {"tiny": "64KB", "small": "1MB", "full": "4MB"}
 VARIANTS = ("paddle", "seed", "routed")
 STEP = 1  # the weights are harness.perturb(model, STEP)
 

@@ -50,7 +50,7 @@ import _common as C  # noqa: E402
 
 RESULT_PATH = C.RESULTS_DIR / "async_stall.json"
 VARIANTS = ("sync", "async")
-DEFAULT_CASES = "8:default,8:2GB,21:default,21:2GB"
+DEFAULT_CASES = C.tiny("8:default,8:2GB,21:default,21:2GB", "8:default,8:2GB")  # tiny: bench/_common.py
 TARGETS = {"explicit": 0.35, "default": 0.2}
 
 
@@ -178,9 +178,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", choices=VARIANTS)
     ap.add_argument("--out")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--exports", type=int, default=3)
-    ap.add_argument("--train-seconds", type=float, default=6.0)
+    ap.add_argument("--reps", type=int, default=C.tiny(3, 1))
+    ap.add_argument("--exports", type=int, default=C.tiny(3, 2))
+    ap.add_argument("--train-seconds", type=float, default=C.tiny(6.0, 0.2))
     ap.add_argument("--layers", type=int, default=8, help="child: num_hidden_layers of the Llama")
     ap.add_argument("--cases", default=DEFAULT_CASES, help="layers:max_pending_bytes, comma separated "
                                                            "(default: no override, the package's default)")

@@ -193,7 +193,7 @@ def _before(tree: str, runs: dict) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=C.tiny(3, 1))
     ap.add_argument("--variant", choices=VARIANTS)
     ap.add_argument("--root")
     ap.add_argument("--out")

@@ -89,10 +89,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", choices=list(VARIANTS))
     ap.add_argument("--out")
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--exports", type=int, default=3)
-    ap.add_argument("--train-seconds", type=float, default=6.0)
-    ap.add_argument("--only", default="", help="comma-separated variants (default: all; the ratios need their pairs)")
+    ap.add_argument("--reps", type=int, default=C.tiny(2, 1))
+    ap.add_argument("--exports", type=int, default=C.tiny(3, 2))
+    ap.add_argument("--train-seconds", type=float, default=C.tiny(6.0, 0.2))
+    # tiny mode (bench/_common.py): one pair (the target's) and the device's bfloat16 cast with a budget
+    ap.add_argument("--only", default=C.tiny("", "cpu_async,device_async,device_bf16_budget0"),
+                    help="comma-separated variants (default: all; the ratios need their pairs)")
     ns = ap.parse_args()
     if ns.variant:
         print(json.dumps(child(ns.variant, Path(ns.out), ns.exports, ns.train_seconds)))

@@ -63,7 +63,7 @@ def child(variant: str, out: Path, exports: int, steps: int, eval_cpu: float) ->
 
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
-    from paddle_fullparam_callbacks.export.evaluate import EvaluationHook
+    from paddle_fullparam_callbacks.consumers.evaluate import EvaluationHook
     from paddle_fullparam_callbacks.models.model_info import build_model_source
 
     script = out.parent / "evaluator.py"
@@ -133,10 +133,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", choices=VARIANTS)
     ap.add_argument("--out")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--exports", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=25, help="training steps between exports")
-    ap.add_argument("--eval-cpu-seconds", type=float, default=4.0, help="CPU seconds each evaluation computes")
+    ap.add_argument("--reps", type=int, default=C.tiny(3, 1))
+    ap.add_argument("--exports", type=int, default=C.tiny(3, 2))
+    ap.add_argument("--steps", type=int, default=C.tiny(25, 2), help="training steps between exports")
+    ap.add_argument("--eval-cpu-seconds", type=float, default=C.tiny(4.0, 0.05),
+                    help="CPU seconds each evaluation computes")
     ns = ap.parse_args()
     if ns.variant:
         print(json.dumps(child(ns.variant, Path(ns.out), ns.exports, ns.steps, ns.eval_cpu_seconds)))

@@ -51,7 +51,7 @@ import _common as C  # noqa: E402
 RESULT_PATH = C.RESULTS_DIR / "export_ranks.json"
 REGIMES = {"tmpfs": "/dev/shm", "disk": "/tmp"}
 NPROC = 4
-MAX_SHARD = "40MB"
+MAX_SHARD = C.tiny("40MB", "100KB")  # tiny mode (bench/_common.py): still a few files for every rank
 
 
 # ---- rank side -------------------------------------------------------------------------------------
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rank-mode", action="store_true", help="(launched) run as one rank")
     ap.add_argument("--tag", default="x", help="(launched) directory tag shared by the ranks")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=C.tiny(5, 1))
     ap.add_argument("--regimes", default="tmpfs,disk")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--result", type=Path, default=RESULT_PATH)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 RESULT_PATH = C.RESULTS_DIR / "gil.json"
-WORK_BYTES = 256 * 2**20  # per thread and operation
+WORK_BYTES = C.tiny(256, 16) * 2**20  # per thread and operation (tiny mode, bench/_common.py: one call each)
 
 
 def _ops():
@@ -159,7 +159,7 @@ def child(reps: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", action="store_true")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=C.tiny(5, 1))
     ap.add_argument("--result", type=Path, default=RESULT_PATH)
     args = ap.parse_args(argv)
     if args.child:

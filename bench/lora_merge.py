@@ -160,9 +160,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", choices=VARIANTS, help="(child) run one variant and print its JSON result")
     ap.add_argument("--out", type=Path, help="(child) directory to write into")
-    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
+    ap.add_argument("--reps", type=int, default=C.tiny(3, 1), help="interleaved repetitions (default 3)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--regimes", default=",".join(REGIMES))
+    # tiny mode (bench/_common.py): the regimes differ in the folder only
+    ap.add_argument("--regimes", default=C.tiny(",".join(REGIMES), "tmpfs"))
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="at most this long to wait for idle CPUs per child")
     ap.add_argument("--result", type=Path, default=RESULT_PATH)
     args = ap.parse_args(argv)

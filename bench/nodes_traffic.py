@@ -228,10 +228,11 @@ def print_table(result: dict) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="small", choices=("small", "full"))
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--size", default=C.tiny("small", "tiny"), choices=("tiny", "small", "full"))
+    # tiny mode (bench/_common.py): the cases differ in the mesh only
+    ap.add_argument("--cases", default=C.tiny(",".join(CASES), "mp2xpp2"))
     ap.add_argument("--variants", default="seed,routed")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=C.tiny(3, 1))
     ap.add_argument("--rate", default="1gbit", help="tc tbf rate of each veth end")
     ap.add_argument("--max-shard-size", default="")
     ap.add_argument("--timeout", type=float, default=900)

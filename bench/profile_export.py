@@ -131,15 +131,28 @@ def _median_dicts(ds: list) -> dict:
     return {k: round(C.median([d.get(k, 0.0) for d in ds]), 3) for k in keys}
 
 
+def _py_spy_beside_python():
+    """The tiny mode's py-spy: the one installed beside this interpreter (the paddleformers environment pins
+    it), else the one on PATH."""
+    here = Path(sys.executable).parent / "py-spy"
+    return str(here) if here.is_file() else shutil.which("py-spy")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--py-spy", required=True, help="the py-spy executable (installed outside the clone)")
-    ap.add_argument("--before", type=Path, required=True, help="a checkout of the tree to compare with")
-    ap.add_argument("--variants", default="ours,ours_bf16,lora_merged")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--rate", type=float, default=500)
+    # the tiny mode (bench/_common.py): this environment's py-spy, this tree against itself, one variant of each script
+    ap.add_argument("--py-spy", required=not C.TINY, default=_py_spy_beside_python() if C.TINY else None,
+                    help="the py-spy executable (installed outside the clone)")
+    ap.add_argument("--before", type=Path, required=not C.TINY, default=C.tiny(None, ROOT),
+                    help="a checkout of the tree to compare with")
+    ap.add_argument("--variants", default=C.tiny("ours,ours_bf16,lora_merged", "ours,lora_merged"))
+    ap.add_argument("--reps", type=int, default=C.tiny(3, 1))
+    # py-spy takes a whole number of samples per second ("50.0" is refused); tiny: fewer, it slows the child less
+    ap.add_argument("--rate", type=int, default=C.tiny(500, 50))
     ap.add_argument("--result", type=Path, default=RESULT_PATH)
     args = ap.parse_args(argv)
+    if not args.py_spy:
+        ap.error(f"no py-spy beside {sys.executable} nor on PATH: give --py-spy")
     trees = {"before": args.before.resolve(), "after": ROOT}
     variants = [v for v in args.variants.split(",") if v]
     runs = {(t, v): [] for t in trees for v in variants}
@@ -159,7 +172,8 @@ def main(argv=None) -> int:
                       flush=True)
     out = {"benchmark": "profile_export", "tool": "py-spy record --format raw --threads --nonblocking",
            "rate_hz": args.rate, "repetitions": args.reps, "trees": {k: str(v) for k, v in trees.items()},
-           "rule": __doc__.split("\n\n")[2].replace("\n", " "), "stages": [s for s, _ in STAGES], "variants": {}}
+           "rule": " ".join(next(t for t in __doc__.split("\n\n") if t.startswith("Each variant")).split()),
+           "stages": [s for s, _ in STAGES], "variants": {}}
     for v in variants:
         out["variants"][v] = {t: {"export_seconds_median": round(C.median([r["export_seconds"] for r in runs[(t, v)]]), 4),
                                   "cpu_s_total_median": round(C.median([r["cpu_s_total"] for r in runs[(t, v)]]), 3),

@@ -95,7 +95,7 @@ def throughput(endpoint: str, reps: int, shards: int, shard_mb: int, part_mb: in
     from boto3.s3.transfer import S3Transfer, TransferConfig
 
     from paddle_fullparam_callbacks.config.schema import PublishConfig
-    from paddle_fullparam_callbacks.export.publish.engine import publish_one
+    from paddle_fullparam_callbacks.consumers.publish.engine import publish_one
 
     root = Path(tempfile.mkdtemp(prefix="pfc_publish_bench_"))
     c = boto3.client("s3", endpoint_url=endpoint)
@@ -149,7 +149,7 @@ def child(variant: str, out: Path, endpoint: str, exports: int, steps: int, pref
 
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
-    from paddle_fullparam_callbacks.export.publish.hook import PublishHook
+    from paddle_fullparam_callbacks.consumers.publish.hook import PublishHook
     from paddle_fullparam_callbacks.models.model_info import build_model_source
 
     over = [f"output_dir={out}", "export.max_shard_size=5GB"]
@@ -206,14 +206,14 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--endpoint")
     ap.add_argument("--prefix", default="stall")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--stall-reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=C.tiny(5, 1))
+    ap.add_argument("--stall-reps", type=int, default=C.tiny(3, 1))
     ap.add_argument("--shards", type=int, default=2)
-    ap.add_argument("--shard-mb", type=int, default=128)
-    ap.add_argument("--part-mb", type=int, default=16)
+    ap.add_argument("--shard-mb", type=int, default=C.tiny(128, 6))  # tiny: still a multipart upload (5 MiB parts)
+    ap.add_argument("--part-mb", type=int, default=C.tiny(16, 5))
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--exports", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--exports", type=int, default=C.tiny(3, 2))
+    ap.add_argument("--steps", type=int, default=C.tiny(25, 2))
     ns = ap.parse_args()
     os.environ.update({k: os.environ.get(k, v) for k, v in CREDENTIALS.items()})
     if ns.variant:

@@ -97,8 +97,9 @@ def _stats(xs) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=200, help="processes per variant (default 200)")
-    ap.add_argument("--wrapper-reps", type=int, default=20, help="`run -- python -c pass` repetitions (default 20)")
+    ap.add_argument("--reps", type=int, default=C.tiny(200, 3), help="processes per variant (default 200)")
+    ap.add_argument("--wrapper-reps", type=int, default=C.tiny(20, 1),
+                    help="`run -- python -c pass` repetitions (default 20)")
     ns = ap.parse_args()
     on = {"PADDLE_FULLPARAM_RECIPE": "default"}
     with tempfile.TemporaryDirectory(prefix="pfc-startup-") as tmp:

@@ -29,7 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import _common as C  # noqa: E402
 import hypothesis  # noqa: E402
 
 import test_pf_verify_fuzz as F  # noqa: E402
@@ -88,12 +90,12 @@ def _keep(result: dict, name: str, ms, text: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=int, default=10_000, help="total number of cases (default 10000)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "verify_fuzz.json"), help="where the JSON goes")
+    # the tiny mode (bench/_common.py): 44 cases, a few of every generator
+    ap.add_argument("--cases", type=int, default=C.tiny(10_000, 44), help="total number of cases (default 10000)")
+    ap.add_argument("--out", default=str(C.RESULTS_DIR / "verify_fuzz.json"), help="where the JSON goes")
     ns = ap.parse_args()
     out = run(ns.cases)
-    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(ns.out).write_text(json.dumps(out, indent=2) + "\n")
+    C.write_json(Path(ns.out), out)
     print(json.dumps({k: v for k, v in out.items() if k.startswith("verify_fuzz") or k == "seconds"}))
     return 0 if out["verify_fuzz_tracebacks"] == out["verify_fuzz_escapes"] == out["generator_errors"] == 0 else 1
 

@@ -40,7 +40,7 @@ def main() -> int:
     from nodes import run_two_nodes
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=C.tiny(3, 1))
     ns = ap.parse_args()
     rows = {"one_node_4_ranks": [], "two_nodes_2x2_ranks": []}
     with tempfile.TemporaryDirectory(prefix="pfc_vis_") as d:

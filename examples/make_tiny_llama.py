@@ -1,18 +1,17 @@
-"""Write a tiny Llama (random weights, a 512-token byte-level BPE tokenizer) to a local directory, for the
-CPU examples and tests of ``paddle-fullparam run``: a model directory as the frameworks' entry points
-expect one (``config.json``, weights, tokenizer files).
+"""Write a tiny Llama (random weights, the demo's 512-token SentencePiece tokenizer) to a local directory,
+for the CPU examples and tests of ``paddle-fullparam run``: a model directory as the frameworks' entry
+points expect one (``config.json``, weights, tokenizer files).
 
     python examples/make_tiny_llama.py DIR                          # PaddleFormers (paddleformers-cli train)
-    python examples/make_tiny_llama.py DIR --framework paddlenlp    # PaddleNLP (its GPTTokenizer files)
+    python examples/make_tiny_llama.py DIR --framework paddlenlp    # PaddleNLP (its LlamaTokenizer's files)
 
-PaddleFormers reads the tokenizer as the Hugging Face hub writes it (``tokenizer.json``); PaddleNLP 2.8
-cannot, so for it the same BPE is written as ``vocab.json`` + ``merges.txt`` (what its ``GPTTokenizer``
-reads). About 0.5 MB; a few seconds.
+PaddleFormers reads the tokenizer as a Llama repository on the hub holds it (``tokenizer.model``,
+``tokenizer.json``); PaddleNLP 2.8's ``LlamaTokenizer`` reads the same SentencePiece model under the name
+``sentencepiece.bpe.model``. About 0.5 MB; a few seconds.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
@@ -20,13 +19,8 @@ from paddle_fullparam_callbacks.cli.demo import DEMO_TOKENIZER, make_tiny_llama
 
 
 def write_paddlenlp_tokenizer(out: Path) -> None:
-    hub = json.loads((DEMO_TOKENIZER / "tokenizer.json").read_text())
-    (out / "vocab.json").write_text(json.dumps(hub["model"]["vocab"], ensure_ascii=False))
-    merges = [m if isinstance(m, str) else " ".join(m) for m in hub["model"]["merges"]]
-    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    special = json.loads((DEMO_TOKENIZER / "special_tokens_map.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPTTokenizer", **special,
-                                                           "model_max_length": 128}))
+    shutil.copy(DEMO_TOKENIZER / "tokenizer.model", out / "sentencepiece.bpe.model")
+    shutil.copy(DEMO_TOKENIZER / "tokenizer_config.json", out / "tokenizer_config.json")
 
 
 def main() -> None:

@@ -51,25 +51,15 @@ hash=$( (cat "${sources[@]}" "${kernel_sources[@]}" "$header"; echo "${flags[*]}
          "$cxx" --version | head -1) | sha256sum | cut -c1-12)
 dir="$cache/paddle$paddle_version-$python_tag-$hash"
 
-if [ ! -f "$dir/kernels/libfakedev_kernels.so" ]; then
-  mkdir -p "$cache"
-  exec 9>"$dir.lock"
-  flock 9
-  if [ ! -f "$dir/kernels/libfakedev_kernels.so" ]; then
-    echo "fake_device.sh: building the fake accelerator into $dir" >&2
-    tmp=$(mktemp -d "$dir.tmp.XXXXXX")
-    chmod 755 "$tmp"
-    trap 'rm -rf "$tmp"' EXIT
-    "$cxx" "${flags[@]}" -I"$include" "${sources[@]}" -o "$tmp/libfakedev.so" >&2
-    mkdir "$tmp/kernels"
-    cp "$tmp/libfakedev.so" "$tmp/kernels/libfakedev.so"
-    "$cxx" "${kernel_flags[@]}" -I"$include" -I"$include/third_party" "${kernel_sources[@]}" \
-      -L"$(dirname "$paddle_lib")" -l:libpaddle.so -o "$tmp/kernels/libfakedev_kernels.so" >&2
-    # the folder appears complete or not at all
-    rm -rf "$dir"
-    mv -T "$tmp" "$dir"
-    trap - EXIT
-  fi
-fi
+build() {
+  echo "fake_device.sh: building the fake accelerator into $dir" >&2
+  "$cxx" "${flags[@]}" -I"$include" "${sources[@]}" -o "$1/libfakedev.so" >&2
+  mkdir "$1/kernels"
+  cp "$1/libfakedev.so" "$1/kernels/libfakedev.so"
+  "$cxx" "${kernel_flags[@]}" -I"$include" -I"$include/third_party" "${kernel_sources[@]}" \
+    -L"$(dirname "$paddle_lib")" -l:libpaddle.so -o "$1/kernels/libfakedev_kernels.so" >&2
+}
+source "$here/scripts/_build_once.sh"
+build_once "$dir" kernels/libfakedev_kernels.so build
 echo "CUSTOM_DEVICE_ROOT=$dir"
 echo "DEVICE=fakedev"

@@ -99,6 +99,17 @@ def hf_python() -> str:
 
 
 @pytest.fixture(scope="session")
+def llama_cpp_converter(hf_python) -> str:
+    """llama.cpp's ``convert_hf_to_gguf.py`` (from llama-cpp-python's pinned sdist, fetched once by
+    ``scripts/llama_cpp.sh``), to run with ``hf_python``. A fetch that fails makes the test fail."""
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "llama_cpp.sh"), "--python", hf_python],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        pytest.fail(f"llama.cpp's converter could not be fetched:\n{run.stderr}", pytrace=False)
+    return run.stdout.strip()
+
+
+@pytest.fixture(scope="session")
 def fake_device() -> Path:
     """Folder of the fake accelerator plugin (built if needed, see `tests/_fake_device.py`). A build
     that fails makes the test fail, never skip."""

@@ -112,6 +112,13 @@ def test_sdist_and_wheel_carry_the_recipes(built):
         in_sdist = sorted(n.rsplit("/", 1)[1] for n in t.getnames()
                           if re.fullmatch(r"[^/]+/paddle_fullparam_callbacks/recipes/[^/]+\.yaml", n))
     assert RECIPES and in_wheel == RECIPES and in_sdist == RECIPES
+    # the demo's tokenizer, every file of it (tokenizer.model too: what llama.cpp's converter reads)
+    tok = "paddle_fullparam_callbacks/cli/demo_data/tokenizer/"
+    shipped = sorted(p.name for p in (ROOT / tok).iterdir())
+    with zipfile.ZipFile(wheel) as z:
+        assert sorted(n[len(tok):] for n in z.namelist() if n.startswith(tok)) == shipped
+    with tarfile.open(sdist) as t:
+        assert sorted(n.split(tok, 1)[1] for n in t.getnames() if tok in n and not n.endswith("/tokenizer")) == shipped
     # the startup hook's one line, at the wheel's top level where site.py reads .pth files, as written in the source
     with zipfile.ZipFile(wheel) as z:
         assert z.read("paddle_fullparam_callbacks.pth") == PTH.read_bytes()
@@ -251,7 +258,7 @@ def test_two_checkouts_each_test_their_own_code(tmp_path):
     probe = "tests/install/probe_checkout.py"
     # both at once, each through its own Makefile, on the same shared (cached) environments
     procs = {m: subprocess.Popen(["make", "-s", "-C", str(d), "test-paddleformers", f"TESTS={probe}",
-                                  "PYTEST_ARGS=-q -p no:cacheprovider"],
+                                  "PYTEST_ARGS=-q -p no:cacheprovider", "TEST_WORKERS=0"],
                                  env=W.clean_env(PFC_PROBE_OUT=str(tmp_path / f"{m}.json")),
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for m, d in copies.items()}

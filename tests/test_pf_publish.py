@@ -18,7 +18,7 @@ import pytest
 
 from paddle_fullparam_callbacks import FullParamExportCallback, attach, verify_snapshot
 from paddle_fullparam_callbacks.cli.demo import make_tiny_llama, make_trainer, trainer_args
-from paddle_fullparam_callbacks.export.publish import records
+from paddle_fullparam_callbacks.consumers.publish import records
 from paddle_fullparam_callbacks.trainer.publishing import PublishStartFailed
 
 from _evaluators import wait_until

@@ -19,11 +19,11 @@ from typing import Optional
 import pytest
 
 from paddle_fullparam_callbacks.config.schema import PublishConfig
-from paddle_fullparam_callbacks.export.publish.engine import publish_one
-from paddle_fullparam_callbacks.export.publish.probe import ProbeFailed, probe
-from paddle_fullparam_callbacks.export.publish.remote import RemoteConflict
-from paddle_fullparam_callbacks.export.publish.store import Store, StoreError
-from paddle_fullparam_callbacks.export.publish.upload import LocalFileChanged
+from paddle_fullparam_callbacks.consumers.publish.engine import publish_one
+from paddle_fullparam_callbacks.consumers.publish.probe import ProbeFailed, probe
+from paddle_fullparam_callbacks.consumers.publish.remote import RemoteConflict
+from paddle_fullparam_callbacks.consumers.publish.store import Store, StoreError
+from paddle_fullparam_callbacks.consumers.publish.upload import LocalFileChanged
 from paddle_fullparam_callbacks.export.write import checksum
 
 from _s3 import enforce_auth, keys_under, moto, open_uploads, s3  # noqa: F401 (moto, s3: fixtures)
@@ -129,7 +129,7 @@ def test_a_reader_listing_during_the_upload_never_sees_a_manifest_before_all_fil
     assert len(seen) >= 2 and same_bytes(c, bucket, snap) and not open_uploads(c, bucket)
 
 
-WORKER = [sys.executable, "-m", "paddle_fullparam_callbacks.export.publish.worker"]
+WORKER = [sys.executable, "-m", "paddle_fullparam_callbacks.consumers.publish.worker"]
 
 
 @pytest.mark.parametrize("journal_lost", [False, True], ids=["journal", "store-listing"])

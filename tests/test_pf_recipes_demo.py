@@ -273,7 +273,7 @@ def check_evaluate_each_snapshot(run: DemoRun) -> None:
     # best follows it": every 10 steps of 30, each snapshot evaluated by the real perplexity evaluator
     cfg = load_config("evaluate_each_snapshot")
     e, r = cfg.evaluate, cfg.retention
-    assert e.command == "{python} -m paddle_fullparam_callbacks.export.evaluate.perplexity {snapshot} --output {output}"
+    assert e.command == "{python} -m paddle_fullparam_callbacks.consumers.evaluate.perplexity {snapshot} --output {output}"
     assert (e.python, e.every, e.last, e.max_concurrent) == ("$PFC_HF_PYTHON", 1, True, 1)
     assert (r.metric, r.mode, r.keep_best, r.keep_last) == ("evaluate.perplexity", "min", 2, 1)
     assert run.line("demo: recipe evaluate_each_snapshot, 30 steps") == "demo: recipe evaluate_each_snapshot, 30 steps"
@@ -298,7 +298,7 @@ def check_evaluate_each_snapshot(run: DemoRun) -> None:
         record = json.loads((snap / "fullparam_evaluation.json").read_text())
         assert record["status"] == "ok" and record["scores"]["perplexity"] == pytest.approx(ppl[n], abs=1e-6)
         scores = record["scores"]
-        assert scores["perplexity"] == pytest.approx(math.exp(scores["nll"])) and scores["tokens"] == 337
+        assert scores["perplexity"] == pytest.approx(math.exp(scores["nll"])) and scores["tokens"] == 356
         assert record["result"]["text"].endswith("cli/demo_data/heldout.txt")
         assert sorted(p.name for p in snap.iterdir() if p.name.startswith(("fullparam_", ".fullparam"))) == [
             "fullparam_eval.log", "fullparam_evaluation.json", "fullparam_manifest.json"]

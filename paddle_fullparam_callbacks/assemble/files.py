@@ -1,9 +1,12 @@
 """The assembler of slices stored in files (``paddle-fullparam convert``): no model, no ranks.
 
-Each destination is built from the regions its mapping entries name, read one at a time from
-the source (memory-mapped: only the bytes asked for are touched), transposed as views and cast
-only when a dtype changes. Yields host arrays (bfloat16 as uint16 bits) in the order asked for;
-nothing but the destination in hand is held.
+Each destination is built from the regions its mapping entries name, asked of the source one at
+a time (``TensorSource.read``: ``convert``'s regions are lazy arrays, nothing read until the
+writer's workers fill their own buffers with the bytes they need). A destination that is one whole
+region comes out as that region, transposed and cast to ``export.dtype`` lazily (a mapping's own
+cast computes a new array); one made of several regions is assembled into a new host array. Yields
+``(name, array)`` (bfloat16 as uint16 bits) in the order asked for; nothing but the destination in
+hand is held.
 
 Casts go through Paddle's own kernels, so a snapshot converted from a checkpoint has the same
 bits as the callback's export of the same weights.
@@ -23,10 +26,10 @@ __all__ = ["FileAssembler", "cast_array"]
 class FileAssembler:
     """Destinations of ``dmap`` from ``tensors`` (see ``export.source.TensorSource``).
 
-    A destination that is one stored region comes out as a read-only view of the files (transposed
-    as a view); the writer copies what it needs. ``room(name)``: called before each destination is
-    read, to wait until the writer can take it, so that the tensor in hand and the tensors waiting
-    to be written are never both large."""
+    A destination that is one stored region comes out as the source's array for it (transposed as a
+    view, or lazily: ``convert``'s regions are read where the writer fills its buffers). ``room(name)``:
+    called before each destination is asked of the source, to wait until the writer can take it, so
+    that the tensor in hand and the tensors waiting to be written are never both large."""
 
     def __init__(self, tensors, dmap: DestinationMap, export_dtype: str = "keep",
                  room: Optional[Callable[[str], None]] = None):

@@ -36,8 +36,9 @@ def make_tiny_llama(framework: str = "paddleformers", seed: int = 0, **overrides
 
 DEMO_DATA = Path(__file__).resolve().parent / "demo_data"
 DEMO_TOKENIZER = DEMO_DATA / "tokenizer"
-"""A byte-level BPE of 512 tokens learnt from the demo's text (``scripts/make_demo_tokenizer.py``):
-the tiny Llama's vocabulary, with its pad/bos/eos ids 0/1/2."""
+"""A SentencePiece BPE of 512 tokens learnt from the demo's text, as Llama tokenizers are
+(``scripts/train_demo_tokenizer.py``): ``tokenizer.model`` with its transformers conversion
+``tokenizer.json``; the tiny Llama's vocabulary, with its pad/bos/eos/unk ids 0/1/2/3."""
 HELDOUT_TEXT = DEMO_DATA / "heldout.txt"
 """Text the demo never trains on: its evaluation set, and the default text of the perplexity evaluator."""
 

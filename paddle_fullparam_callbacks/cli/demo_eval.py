@@ -14,7 +14,7 @@ def check(cfg) -> None:
     """Before anything is written: the evaluator's interpreter exists (the recipe's $PFC_HF_PYTHON is set)."""
     if not cfg.evaluate.enabled:
         return
-    from ..export.evaluate import resolve_python
+    from ..consumers.evaluate import resolve_python
 
     try:
         resolve_python(cfg.evaluate)

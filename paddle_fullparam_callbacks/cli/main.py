@@ -71,14 +71,14 @@ def _cmd_verify(ns) -> int:
 
 
 def _verify_s3(ns, urls, emit) -> int:
-    """``verify s3://bucket/prefix``: published snapshots against their manifests (export/publish/verify.py)."""
+    """``verify s3://bucket/prefix``: published snapshots against their manifests (consumers/publish/verify.py)."""
     if len(urls) != len(ns.dirs) or ns.transformers:
         msg = "give s3:// URLs alone (local directories and --transformers in another call)"
         print(f"paddle-fullparam verify: {msg}", file=sys.stderr)
         emit({"ok": False, "errors": [f"usage: {msg}"]}, [])
         return 2
     try:
-        from ..export.publish.verify import verify_s3
+        from ..consumers.publish.verify import verify_s3
 
         reports = [r for u in urls for r in verify_s3(u, ns.endpoint_url, check_hashes=not ns.no_hash)]
     except Exception as e:  # a bug of verify itself: reported, never taken for OK
@@ -107,8 +107,8 @@ def _cmd_publish(ns) -> int:
 
     from ..config.recipes import load_config
     from ..export.commit.lock import OutputDirLocked
-    from ..export.publish.offline import publish_path
-    from ..export.publish.probe import ProbeFailed
+    from ..consumers.publish.offline import publish_path
+    from ..consumers.publish.probe import ProbeFailed
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = load_config(ns.recipe, list(ns.overrides or []) + ([f"publish.url={ns.to}"] if ns.to else []))
@@ -263,7 +263,7 @@ def _cmd_evaluate(ns) -> int:
     import logging
 
     from ..config.recipes import load_config
-    from ..export.evaluate.offline import evaluate_path
+    from ..consumers.evaluate.offline import evaluate_path
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = load_config(ns.recipe, ns.overrides)

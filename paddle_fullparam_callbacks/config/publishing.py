@@ -1,7 +1,7 @@
 """The rules of the ``publish:`` section (``schema.PublishConfig``): each finds None or the problem as
 ``(recipe key, message)``; :func:`check_publish` and :func:`check_against` raise it as the schema's
 ``ConfigError`` (passed in: this module is below the schema). Pure: nothing here touches the network;
-the store itself is proven at the start of training (``export/publish/probe.py``).
+the store itself is proven at the start of training (``consumers/publish/probe.py``).
 """
 from __future__ import annotations
 

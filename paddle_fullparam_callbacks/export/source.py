@@ -23,10 +23,12 @@ class ExportError(RuntimeError):
 class TensorSource(Protocol):
     """Slices on disk instead of in a model (``paddle-fullparam convert``).
 
-    ``records()`` lists every stored slice (``assemble.mesh.ShardRecord``: key, global offset,
-    shape, global shape, Paddle dtype name; ``rank`` is the writer of the file that holds it);
-    ``read(key, offset, shape)`` returns that region as a numpy array (bfloat16 as uint16 bits),
-    read lazily: a read-only view of the files where it can be. ``describe()`` says what it is, for the manifest.
+    ``records()`` lists the regions it can give (``assemble.mesh.ShardRecord``: rank, key, global
+    offset, shape, global shape, Paddle dtype name; ``convert``'s: one record per tensor, its whole
+    global shape, rank 0); ``read(key, offset, shape)`` returns any region within them as a numpy
+    array or a lazy one (``host.lazy.LazyArray``: ``convert``'s read nothing until the writer fills
+    its own buffers with them), bfloat16 as uint16 bits. ``describe()`` says what it is, for the
+    manifest.
     """
 
     def records(self) -> List[Any]:

@@ -1,4 +1,4 @@
-"""The callback's side of the evaluation hook (``export/evaluate/``): set up, drained, finished.
+"""The callback's side of the evaluation hook (``consumers/evaluate/``): set up, drained, finished.
 
 Only the coordinator evaluates (the hook hangs on its Committer, which commits every snapshot);
 the other ranks take part in one exchange at start, so that a wrong ``evaluate.python`` stops
@@ -17,7 +17,7 @@ from typing import List, Optional
 
 from ..config.schema import ConfigError, FullParamConfig
 from ..export.commit.retention import list_snapshots
-from ..export.evaluate import Evaluation, EvaluationHook, recover, resolve_python
+from ..consumers.evaluate import Evaluation, EvaluationHook, recover, resolve_python
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 PREFIX = "fullparam/eval/"

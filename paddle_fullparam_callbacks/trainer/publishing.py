@@ -1,4 +1,4 @@
-"""The callback's side of the publisher (``export/publish/``): proven at start, drained, finished.
+"""The callback's side of the publisher (``consumers/publish/``): proven at start, drained, finished.
 
 Only the coordinator publishes (its Committer commits every snapshot). At ``on_train_begin`` it proves the
 store usable (``probe``: write, read back, delete under the prefix; the conditional headers honoured),
@@ -17,8 +17,8 @@ from typing import List, Optional
 from ..config.schema import FullParamConfig
 from ..export.commit.pointers import read_pointer
 from ..export.commit.retention import list_snapshots
-from ..export.publish.hook import Publication, PublishHook
-from ..export.publish.recovery import recover
+from ..consumers.publish.hook import Publication, PublishHook
+from ..consumers.publish.recovery import recover
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 
@@ -48,8 +48,8 @@ class TrainerPublishing:
             return
         failure = None
         if ctx.is_coordinator and self.config.publish.url:
-            from ..export.publish.probe import ProbeFailed, probe
-            from ..export.publish.store import Store, StoreError
+            from ..consumers.publish.probe import ProbeFailed, probe
+            from ..consumers.publish.store import Store, StoreError
 
             try:
                 self.warnings = probe(Store(self.config.publish, retries=min(self.config.publish.retries, 2)),

@@ -6,8 +6,9 @@
   written (loading info: missing, unexpected, mismatched keys), then greedy ``generate`` of a few
   tokens from a prompt, decoded back to text;
 - gguf (llama.cpp's Python package, which its ``convert_hf_to_gguf.py`` uses): the checks that
-  converter makes of its input before converting: the vocabulary read from the tokenizer files
-  (``BpeVocab`` from ``tokenizer.json``; without tokenizer files it stops, as the converter does),
+  converter makes of its input before converting: the vocabulary read from the tokenizer files as
+  its Llama-family models read it (``SentencePieceVocab`` from ``tokenizer.model``, else ``BpeVocab``
+  from a byte-level BPE's ``tokenizer.json``; without tokenizer files it stops, as the converter does),
   the special tokens and merges (``SpecialVocab``), and every tensor name mapped to its GGUF name
   (``TensorNameMap``) for the architectures llama.cpp converts name by name.
 """
@@ -57,11 +58,15 @@ def gguf_input_checks(snapshot: str) -> dict:
     path = Path(snapshot)
     config = json.loads((path / "config.json").read_text())
     out = {}
-    try:
-        bpe = vocab.BpeVocab(path)
-        out["vocab_size"] = bpe.vocab_size
-    except Exception as e:  # what the converter would die of
-        out["vocab_error"] = f"{type(e).__name__}: {e}"
+    for kind in (vocab.SentencePieceVocab, vocab.BpeVocab):
+        try:
+            read = kind(path)
+        except Exception as e:  # what the converter would die of, when neither reads
+            out["vocab_error"] = f"{type(e).__name__}: {e}"
+        else:
+            out.update(vocab_size=read.vocab_size, vocab_model=read.tokenizer_model)
+            out.pop("vocab_error", None)
+            break
     special = vocab.SpecialVocab(path, load_merges=True, n_vocab=config.get("vocab_size"))
     out["special_tokens"] = special.special_token_ids
     out["merges"] = len(special.merges)

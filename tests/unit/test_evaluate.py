@@ -21,8 +21,8 @@ from paddle_fullparam_callbacks.config.schema import ConfigError, EvaluateConfig
 from paddle_fullparam_callbacks.export.commit import evaluation as records  # noqa: E402
 from paddle_fullparam_callbacks.export.commit.ownership import MARKER  # noqa: E402
 from paddle_fullparam_callbacks.export.commit.retention import apply_retention, list_snapshots, update_best  # noqa: E402
-from paddle_fullparam_callbacks.export.evaluate import Evaluation, EvaluationHook, build_argv, recover, resolve_python  # noqa: E402
-from paddle_fullparam_callbacks.export.evaluate.result import final_record, flatten, read_result  # noqa: E402
+from paddle_fullparam_callbacks.consumers.evaluate import Evaluation, EvaluationHook, build_argv, recover, resolve_python  # noqa: E402
+from paddle_fullparam_callbacks.consumers.evaluate.result import final_record, flatten, read_result  # noqa: E402
 from paddle_fullparam_callbacks.plan.naming import snapshot_step_pattern  # noqa: E402
 
 PATTERN = snapshot_step_pattern("hf-step-{step:06d}")
@@ -261,7 +261,7 @@ import json, sys, time
 from pathlib import Path
 from paddle_fullparam_callbacks.config.schema import EvaluateConfig
 from paddle_fullparam_callbacks.export.commit import evaluation as records
-from paddle_fullparam_callbacks.export.evaluate import EvaluationHook
+from paddle_fullparam_callbacks.consumers.evaluate import EvaluationHook
 command, out = sys.argv[1], Path(sys.argv[2])
 hook = EvaluationHook(EvaluateConfig(command=command, max_concurrent=3), [sys.executable], run_id="r1")
 for step in (1, 2, 3):
@@ -312,7 +312,7 @@ def test_a_callable_runs_in_the_evaluators_interpreter_and_returns_its_result(tm
 
 def test_evaluate_afterwards_fills_in_and_leaves_a_live_jobs_directory_to_it(tmp_path):
     from paddle_fullparam_callbacks.export.commit.lock import acquire_lock
-    from paddle_fullparam_callbacks.export.evaluate.offline import evaluate_path
+    from paddle_fullparam_callbacks.consumers.evaluate.offline import evaluate_path
 
     out = tmp_path / "out"
     snaps = {s: _snapshot(out, s) for s in (1, 2, 3)}

@@ -10,10 +10,10 @@ import pytest
 from paddle_fullparam_callbacks.config.publishing import parse_s3_url
 from paddle_fullparam_callbacks.config.recipes import load_config
 from paddle_fullparam_callbacks.config.schema import ConfigError
-from paddle_fullparam_callbacks.export.publish import records
-from paddle_fullparam_callbacks.export.publish.journal import Journal
-from paddle_fullparam_callbacks.export.publish.result import final_entry
-from paddle_fullparam_callbacks.export.publish.upload import part_size_for
+from paddle_fullparam_callbacks.consumers.publish import records
+from paddle_fullparam_callbacks.consumers.publish.journal import Journal
+from paddle_fullparam_callbacks.consumers.publish.result import final_entry
+from paddle_fullparam_callbacks.consumers.publish.upload import part_size_for
 
 
 def test_a_publish_section_loads_and_the_url_is_normalised():
@@ -151,9 +151,9 @@ def test_a_runner_started_but_never_recorded_is_found_and_adopted(tmp_path):
     import psutil
 
     from paddle_fullparam_callbacks.export.commit.ownership import mark
-    from paddle_fullparam_callbacks.export.publish.hook import RUNNER
-    from paddle_fullparam_callbacks.export.publish.recovery import recover
-    from paddle_fullparam_callbacks.export.runner import is_alive
+    from paddle_fullparam_callbacks.consumers.hook import RUNNER
+    from paddle_fullparam_callbacks.consumers.publish.recovery import recover
+    from paddle_fullparam_callbacks.consumers.runner import is_alive
 
     snap = tmp_path / "hf-step-000003"
     work = snap / records.WORKDIR

@@ -1,6 +1,6 @@
 """The evaluation record of a snapshot: ``fullparam_evaluation.json``, beside its manifest.
 
-The evaluation hook (``export/evaluate/``) scores committed snapshots in separate processes; what
+The evaluation hook (``consumers/evaluate/``) scores committed snapshots in separate processes; what
 it found is kept in the snapshot's folder, never in the files ``verify`` checks (the manifest's
 ``files`` table, the shards, the index)::
 
@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import uuid
 from pathlib import Path
 from typing import Optional
 
-from ..write.fsync import fsync_dir, write_json_durable
+from ..write.fsync import remove_tmp_files, replace_json_durable
 
 RECORD = "fullparam_evaluation.json"
 LOG = "fullparam_eval.log"
@@ -55,16 +53,7 @@ def read_record(snapshot: "str | Path") -> Optional[dict]:
 def write_record(snapshot: "str | Path", record: dict) -> None:
     """Replace the record atomically: a reader (or a crash) sees the old record or the new one, never
     a part of one; the temporary file is named so the next start can prove it is ours."""
-    snapshot = Path(snapshot)
-    record = {"evaluation_version": RECORD_VERSION, **record}
-    tmp = snapshot / f"{RECORD_TMP}{uuid.uuid4().hex[:8]}"
-    try:
-        write_json_durable(tmp, record)
-        os.replace(tmp, snapshot / RECORD)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(snapshot)
+    replace_json_durable(Path(snapshot), RECORD, RECORD_TMP, {"evaluation_version": RECORD_VERSION, **record})
 
 
 def scores_of(record: Optional[dict]) -> dict:
@@ -86,9 +75,4 @@ def is_running(record: Optional[dict]) -> bool:
 
 def remove_leftover_tmp(snapshot: "str | Path") -> None:
     """Record temporaries a crash left between their write and their rename (ours by name)."""
-    try:
-        for p in Path(snapshot).iterdir():
-            if p.name.startswith(RECORD_TMP) and p.is_file() and not p.is_symlink():
-                p.unlink(missing_ok=True)
-    except OSError:
-        pass
+    remove_tmp_files(Path(snapshot), RECORD_TMP)

@@ -26,7 +26,7 @@ class SnapshotEntry:
     seq: int  # commit order within its run
     created: float
     metrics: dict
-    evaluating: bool = False  # its evaluation (export/evaluate/) is running: never removed
+    evaluating: bool = False  # its evaluation (consumers/evaluate/) is running: never removed
 
 
 def list_snapshots(output_dir: Path, pattern) -> List[SnapshotEntry]:

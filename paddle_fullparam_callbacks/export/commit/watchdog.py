@@ -197,13 +197,17 @@ class Watchdog:
                 where.append(f"rank {r} in '{rec.get('what')}' for {now - entered:.0f} s")
         return (gone or behind), "; ".join(where)
 
-    def _expire(self, what: str, peers: List[int], since: float, _last: float) -> None:
+    def _waiting_for(self, peers: List[int], since: float) -> str:
+        """'waiting for' whom, and where every peer is when the progress files say."""
         culprits, where = self.peers_report(peers, since)
         who = f"rank(s) {culprits}" if culprits else f"one of the ranks {[r for r in peers if r != self.rank]}"
+        return f"waiting for {who}{f' ({where})' if where else ''}"
+
+    def _expire(self, what: str, peers: List[int], since: float, _last: float) -> None:
+        waiting = self._waiting_for(peers, since)
         message = (f"export.timeout_s={self.timeout_s:g}: rank {self.rank} made no progress for {self.timeout_s:g} s in "
-                   f"'{what}' (step {self.step}), waiting for {who}{f' ({where})' if where else ''}; ending this "
-                   f"process (exit {EXIT_CODE}) so that the launcher stops the job; a snapshot in flight stays hidden "
-                   "and is removed by the next job")
+                   f"'{what}' (step {self.step}), {waiting}; ending this process (exit {EXIT_CODE}) so that the launcher "
+                   "stops the job; a snapshot in flight stays hidden and is removed by the next job")
         logger.error(message)
         print(f"paddle_fullparam_callbacks: {message}", file=sys.stderr, flush=True)
         if self.progress_dir is not None:
@@ -224,11 +228,10 @@ class Watchdog:
     def _end_with(self, ender: int, what: str, peers: List[int], since: float, _last: float) -> None:
         """Another rank's watchdog is ending the job while this rank waits in ``what``: the same diagnosis,
         then this process ends too."""
-        culprits, where = self.peers_report(peers, since)
-        who = f"rank(s) {culprits}" if culprits else f"one of the ranks {[r for r in peers if r != self.rank]}"
+        waiting = self._waiting_for(peers, since)
         message = (f"export.timeout_s={self.timeout_s:g}: rank {self.rank}'s '{what}' (step {self.step}) failed after "
-                   f"{time.time() - since:.0f} s (rank {ender}'s watchdog is ending the job), waiting for {who}"
-                   f"{f' ({where})' if where else ''}; ending this process (exit {EXIT_CODE})")
+                   f"{time.time() - since:.0f} s (rank {ender}'s watchdog is ending the job), {waiting}; ending this "
+                   f"process (exit {EXIT_CODE})")
         logger.error(message)
         print(f"paddle_fullparam_callbacks: {message}", file=sys.stderr, flush=True)
         try:

@@ -23,7 +23,6 @@ import atexit
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -35,17 +34,13 @@ from ...config.schema import ConfigError, FullParamConfig
 from ...host import pool as workers
 from ...plan.naming import format_snapshot_name, snapshot_step_pattern
 from .. import commit
-from ..commit import visibility
-from ..commit.lock import release_on_signals
 from ..commit.manifest import clean_metrics
-from ..commit.retention import newest_run, next_seq
-from ..commit.watchdog import PROGRESS_DIR, Watchdog
 from ..source import ExportError, ModelSource, SnapshotInfo
-from . import preflight
+from . import preflight, startup
 from .companions import write_companions
 from .distributed import LocalContext
 from .exporters import Exporter, load_callable, make_exporter
-from .finishing import Committer, ExportJob, finish_local, new_run_id
+from .finishing import Committer, ExportJob, finish_local
 from .planning import PreparedExport, plan_export
 from .streaming import progress_bar, stream_tensors
 
@@ -86,83 +81,42 @@ class ExportSession:
         With several ranks, every rank then proves it sees the same output_dir (and each directory of
         ``shared``: (recipe key, path) pairs, e.g. the trainer's checkpoints for the checkpoint hook)
         as the coordinator: a ConfigError on every rank otherwise (see ``commit.visibility``).
+
+        The claim, the proof and the watchdog are ``startup.py``'s; here, their order and what follows.
         """
-        removed: List[str] = []
-        error, run, tokens = None, (new_run_id(), 1), []
         writes = self.config.export.format != "callable"
         if not writes and self.fn is None:
             self.fn = load_callable(self.config.export.callable)  # every rank: a ConfigError now, not at the first export
         targets = [("output_dir", self.output_dir), *shared] if writes and self.ctx.world_size > 1 else []
+        claim = startup.Claim()
         if self.ctx.is_coordinator and writes:
             try:
-                self._created_dir = not self.output_dir.exists()
-                commit.check_output_dir(self.output_dir)
-                commit.check_pointers(self.output_dir)
-                # one job per output_dir: only then are leftovers surely ours to remove
-                self._lock = self.committer.lock = commit.acquire_lock(self.output_dir, owner="another export session",
-                                                                       holder=self)
-                release_on_signals(self._lock)
-                atexit.register(self._lock.release)
-                removed, _ = commit.cleanup_stale(self.output_dir)
-                run_id = (newest_run(self.output_dir, self.pattern) if resume else None) or run[0]
-                run = (run_id, next_seq(self.output_dir, self.pattern, run_id))
-                for _, directory in targets[1:]:
-                    Path(directory).mkdir(parents=True, exist_ok=True)
-                tokens = [visibility.write_token(d) for _, d in targets]
-            except (OSError, commit.OutputDirLocked) as e:
-                error = (type(e).__name__, str(e))
-        gathered = self.ctx.all_gather_object((error, run, tokens))
+                claim.take(self.output_dir, self.pattern, resume, targets, holder=self)
+            finally:  # the lock is this session's from the moment it is taken
+                self._created_dir = claim.created
+                if claim.lock is not None:
+                    self._lock = self.committer.lock = claim.lock
+        gathered = self.ctx.all_gather_object(claim.shared)
         errors = [e for e, _, _ in gathered if e]
         if errors:
             kind, message = errors[0]
-            self._remove_tokens(targets, tokens)
-            raise (commit.OutputDirLocked if kind == "OutputDirLocked" else OSError)(message)
+            startup.remove_tokens(self.ctx, targets, claim.tokens)
+            raise startup.claim_error(kind, message)
         self.committer.run_id, self.committer.seq = gathered[self.ctx.coordinator][1]
-        self._prove_shared(targets, gathered[self.ctx.coordinator][2])
-        self._start_watchdog()
+        unshared = startup.prove_shared(self.ctx, targets, gathered[self.ctx.coordinator][2], self.start_timings)
+        if unshared:
+            if self._lock is not None:
+                self.close()
+            raise ConfigError(*unshared)
+        if self.ctx.watchdog is None:
+            self.ctx.watchdog = startup.watchdog(self.config.export.timeout_s, self.ctx, self.output_dir, self._lock)
         self.is_open = True
         if self.ctx.is_coordinator and self.config.export.format != "callable":
             logger.info("full-parameter snapshots go to %s (run %s)", self.output_dir, self.run_id)
-        if removed:
-            logger.info("removed %d leftover(s) of interrupted exports in %s: %s", len(removed), self.output_dir, removed)
-        return removed
-
-    def _prove_shared(self, targets, tokens) -> None:
-        """Every rank reads the coordinator's token in each target and makes a file there; one exchange."""
-        if not targets:
-            return
-        t0 = time.perf_counter()
-        mine = [visibility.probe(d, t, self.ctx.rank) for (_, d), t in zip(targets, tokens)]
-        t1 = time.perf_counter()
-        results = self.ctx.all_gather_object(mine, what="visibility proof")
-        self._remove_tokens(targets, tokens)
-        self.start_timings.update(visibility_files_s=t1 - t0, visibility_exchange_s=time.perf_counter() - t1)
-        for i, (key, directory) in enumerate(targets):
-            what = "" if key == "output_dir" else "the trainer's output_dir (where the checkpoint hook commits) "
-            message = visibility.unshared_message(Path(directory), [r[i] for r in results], what)
-            if message:
-                if self._lock is not None:
-                    self.close()
-                raise ConfigError(key, message)
-
-    def _remove_tokens(self, targets, tokens) -> None:
-        if self.ctx.is_coordinator:
-            for (_, directory), token in zip(targets, tokens):
-                visibility.remove_token(directory, token)
-
-    def _start_watchdog(self) -> None:
-        """export.timeout_s, with several ranks: every collective of the package is watched."""
-        timeout = self.config.export.timeout_s
-        if self.ctx.world_size <= 1 or not timeout or self.ctx.watchdog is not None:
-            return
-        progress = self.output_dir / PROGRESS_DIR
-        try:
-            progress.mkdir(exist_ok=True)
-        except OSError:
-            progress = None  # the culprit will not be named; the timeout still holds
-        lock = self._lock
-        self.ctx.watchdog = Watchdog(timeout, self.ctx.rank, list(range(self.ctx.world_size)), progress,
-                                     on_expire=lock.release if lock is not None else None)
+        if claim.removed:
+            logger.info("removed %d leftover(s) of interrupted exports in %s: %s", len(claim.removed), self.output_dir,
+                        claim.removed)
+        return claim.removed
 
     def close(self) -> None:
         """Finish a pending background export and release the output directory (also done at exit)."""
@@ -174,22 +128,8 @@ class ExportSession:
         if self._lock is not None:
             self._lock.release()
             self._lock = self.committer.lock = None
-            self._remove_if_unused()
-
-    def _remove_if_unused(self) -> None:
-        """An output_dir this job created and never exported into (e.g. the checkpoint hook wrote every
-        snapshot into the trainer's checkpoints) is removed again, with the package's own entries."""
-        if not self._created_dir:
-            return
-        try:
-            entries = {p.name for p in self.output_dir.iterdir()}
-            if entries - {PROGRESS_DIR}:
-                return
-            if PROGRESS_DIR in entries:
-                shutil.rmtree(self.output_dir / PROGRESS_DIR, ignore_errors=True)
-            self.output_dir.rmdir()
-        except OSError:
-            pass  # another process wrote into it meanwhile: it stays
+            if self._created_dir:
+                startup.remove_unused(self.output_dir)
 
     def prepare(self, source: ModelSource, sharded_state_dict: Optional[dict] = None) -> PreparedExport:
         """Mapping and plans; recomputed only when some rank's parameter names, shapes or dtypes change.

@@ -1,8 +1,9 @@
-"""Durable small writes: fsync a directory, write a JSON file and fsync it."""
+"""Durable small writes: fsync a directory, write a JSON file and fsync it, replace one atomically."""
 from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 
@@ -22,3 +23,28 @@ def write_json_durable(path: Path, obj) -> int:
         f.flush()
         os.fsync(f.fileno())
     return len(data)
+
+
+def replace_json_durable(directory: Path, name: str, tmp_prefix: str, obj) -> None:
+    """Replace ``directory/name`` by ``obj`` atomically (tmp + fsync + rename + fsync dir): a reader, or a
+    crash, sees the old file or the new one, never a part of one. The temporary file is named
+    ``tmp_prefix`` and 8 hex digits, so that a later start can prove it is ours (:func:`remove_tmp_files`)."""
+    directory = Path(directory)
+    tmp = directory / f"{tmp_prefix}{uuid.uuid4().hex[:8]}"
+    try:
+        write_json_durable(tmp, obj)
+        os.replace(tmp, directory / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(directory)
+
+
+def remove_tmp_files(directory: Path, tmp_prefix: str) -> None:
+    """The temporaries of :func:`replace_json_durable` a crash left between their write and their rename."""
+    try:
+        for p in Path(directory).iterdir():
+            if p.name.startswith(tmp_prefix) and p.is_file() and not p.is_symlink():
+                p.unlink(missing_ok=True)
+    except OSError:
+        pass

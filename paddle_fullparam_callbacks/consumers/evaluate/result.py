@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Optional, Tuple
 
-from ..commit.evaluation import FAILED, OK, TIMEOUT, UNFINISHED
+from ...export.commit.evaluation import FAILED, OK, TIMEOUT, UNFINISHED
 
 MAX_RESULT_BYTES = 1_000_000
 MAX_DEPTH = 6

@@ -26,7 +26,7 @@ from typing import Dict, Optional, Tuple
 
 from ... import _faults
 from ...config.sizes import parse_size
-from ..write import checksum
+from ...export.write import checksum
 from .journal import Journal
 from .store import Store, StoreError, md5_b64, quoted
 

@@ -1,6 +1,7 @@
 """The runner: one process per job on a committed snapshot, between the training job and the program that
 does the work: the evaluator of the evaluation hook (``evaluate/``), or the publisher (``publish/``: the
-S3 upload process, or ``publish.command``). One runner serves both consumers of snapshots.
+S3 upload process, or ``publish.command``). One runner serves every consumer of snapshots (``hook.py``
+starts it).
 
     python -I runner.py WORKDIR        (WORKDIR = <snapshot>/.fullparam-eval or .fullparam-publish, holding spec.json)
 

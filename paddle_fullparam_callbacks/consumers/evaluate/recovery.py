@@ -22,10 +22,11 @@ import signal
 from pathlib import Path
 from typing import Iterable, List, Optional, Tuple
 
-from ..commit import evaluation as records
-from ..commit.ownership import is_marked, snapshot_identity
-from .hook import OUTPUT, Evaluation, EvaluationHook, finalize, records_json, runner_state
+from ...export.commit import evaluation as records
+from ...export.commit.ownership import is_marked, snapshot_identity
+from ..hook import settle_left
 from ..runner import EVALUATOR_PID, STATUS
+from .hook import OUTPUT, Evaluation, EvaluationHook, finalize, records_json, runner_works
 
 
 def recover(snapshots: Iterable[Tuple[str, int, Path, bool]], hook: Optional[EvaluationHook] = None
@@ -43,25 +44,30 @@ def recover(snapshots: Iterable[Tuple[str, int, Path, bool]], hook: Optional[Eva
         if not records.is_running(record) and not ours:
             continue
         running = record if records.is_running(record) else _running_from_work(name, step, path, work)
-        ev = Evaluation(name, path, step, in_output_dir, running=running, recovered=True)
+        ev = Evaluation(name, path, step, in_output_dir=in_output_dir, running=running, recovered=True)
         if running is None:
             continue  # a finished record and a work folder whose removal was interrupted
-        if runner_state(running, work) == "alive" and not (work / STATUS).exists():
+        if settle_left(ev, work, runner_works, lambda: _ended(name, path, running, work)):
             if hook is not None:
                 hook.adopt(ev)
             alive.append(ev)
-            continue
-        if not (work / STATUS).exists():
-            stop_orphan_evaluator(work)
-        ev.record = finalize(name, path, running)
-        settled.append(ev)
+        else:
+            settled.append(ev)
     return settled, alive
+
+
+def _ended(name: str, path: Path, running: dict, work: Path) -> dict:
+    """The final record of an evaluation whose runner has ended; its evaluator, if the runner died
+    without a status and left it running, is stopped first."""
+    if not (work / STATUS).exists():
+        stop_orphan_evaluator(work)
+    return finalize(name, path, running)
 
 
 def _running_from_work(name: str, step: int, path: Path, work: Path) -> Optional[dict]:
     """A work folder without a running record: the job died between starting the runner and
     recording it (or after the final record, before removing the folder)."""
-    from ..commit.ownership import delete_marked
+    from ...export.commit.ownership import delete_marked
 
     record = records.read_record(path)
     spec = records_json(work / "spec.json")

@@ -1,6 +1,6 @@
-"""The publishing process: ``python -m paddle_fullparam_callbacks.export.publish.worker SPEC.json OUTPUT.json``.
+"""The publishing process: ``python -m paddle_fullparam_callbacks.consumers.publish.worker SPEC.json OUTPUT.json``.
 
-The runner (``export/runner.py``) starts it, at lower priority, in a process group of its own; it
+The runner (``consumers/runner.py``) starts it, at lower priority, in a process group of its own; it
 publishes one snapshot (``engine.publish_one``) and writes what it did to OUTPUT (JSON), or prints the
 store's error and exits 1. SIGTERM (the training ended, or a timeout) stops it at once: what it had
 uploaded stays on the store, its journal says which multipart upload to resume, and the next

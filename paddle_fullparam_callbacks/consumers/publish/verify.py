@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ..commit import MANIFEST
-from ..write import checksum
+from ...export.commit import MANIFEST
+from ...export.write import checksum
 from .remote import DELETING, POINTERS, read_pointer, snapshot_files
 from .store import Store, StoreError
 

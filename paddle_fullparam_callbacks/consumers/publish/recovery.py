@@ -20,8 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from ..commit.ownership import is_marked
-from ..runner import STATUS, find, is_alive
+from ...export.commit.ownership import is_marked
+from ..hook import runner_alive, settle_left
+from ..runner import find
 from . import records
 from .hook import Publication, PublishHook, finalize
 
@@ -45,11 +46,9 @@ def recover(hook: Optional[PublishHook], snapshots: Iterable[Tuple[str, int, Pat
                          "pid": pid, "log": records.LOG}
         pub = Publication(name, path, step, running=entry, recovered=True)
         if entry is not None and entry.get("status") == records.RUNNING:
-            if is_alive(entry.get("pid"), str(work)) and not (work / STATUS).exists():
-                pub.adopted = True
+            if settle_left(pub, work, runner_alive, lambda: finalize(path, destination, entry)):
                 out["adopted"].append(pub)
                 continue
-            pub.entry = finalize(path, destination, entry)
             out["settled"].append(pub)
             entry = pub.entry
         if (entry is not None and entry.get("status") in AGAIN) or (entry is None and run_id is not None and run == run_id):

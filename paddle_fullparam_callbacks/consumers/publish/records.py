@@ -17,12 +17,10 @@ evaluation record; only the coordinator (holding the output directory's lock) wr
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from pathlib import Path
 from typing import Optional
 
-from ..write.fsync import fsync_dir, write_json_durable
+from ...export.write.fsync import remove_tmp_files, replace_json_durable
 
 RECORD = "fullparam_publish.json"
 LOG = "fullparam_publish.log"
@@ -54,22 +52,9 @@ def read(snapshot: "str | Path", destination: str) -> Optional[dict]:
 
 def write(snapshot: "str | Path", destination: str, entry: dict) -> None:
     """Replace ``destination``'s entry atomically (the others are kept)."""
-    snapshot = Path(snapshot)
     destinations = {**read_all(snapshot), destination: entry}
-    tmp = snapshot / f"{RECORD_TMP}{uuid.uuid4().hex[:8]}"
-    try:
-        write_json_durable(tmp, {"publish_version": VERSION, "destinations": destinations})
-        os.replace(tmp, snapshot / RECORD)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(snapshot)
+    replace_json_durable(Path(snapshot), RECORD, RECORD_TMP, {"publish_version": VERSION, "destinations": destinations})
 
 
 def remove_leftover_tmp(snapshot: "str | Path") -> None:
-    try:
-        for p in Path(snapshot).iterdir():
-            if p.name.startswith(RECORD_TMP) and p.is_file() and not p.is_symlink():
-                p.unlink(missing_ok=True)
-    except OSError:
-        pass
+    remove_tmp_files(Path(snapshot), RECORD_TMP)

@@ -15,10 +15,10 @@ from typing import Callable, List
 
 from ...config.schema import ConfigError, FullParamConfig
 from ...plan.naming import snapshot_step_pattern
-from ..commit import evaluation as records
-from ..commit.lock import OutputDirLocked, acquire_lock
-from ..commit.ownership import read_manifest
-from ..commit.retention import list_snapshots, newest_run, update_best
+from ...export.commit import evaluation as records
+from ...export.commit.lock import OutputDirLocked, acquire_lock
+from ...export.commit.ownership import read_manifest
+from ...export.commit.retention import list_snapshots, newest_run, update_best
 from .command import resolve_python
 from .hook import Evaluation, EvaluationHook
 from .recovery import recover
@@ -79,7 +79,7 @@ def _evaluate(snaps, output_dir, config, python, redo, settle, say, lock) -> Lis
         record = records.read_record(snap)
         if str(Path(snap).resolve()) in busy or (record is not None and record.get("status") not in redo_statuses):
             continue
-        hook.submit(Evaluation(name, Path(snap).resolve(), step, in_dir))
+        hook.submit(Evaluation(name, Path(snap).resolve(), step, in_output_dir=in_dir))
         todo += 1
     say(f"evaluating {todo} of {len(snaps)} snapshot(s) with: {config.evaluate.command or config.evaluate.callable}")
     hook.close(WAIT_FOREVER_S)

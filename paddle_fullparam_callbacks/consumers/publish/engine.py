@@ -16,8 +16,8 @@ from typing import Optional
 
 from ...config.schema import PublishConfig
 from ...plan.naming import snapshot_step_pattern
-from ..commit.pointers import read_pointer as read_local_pointer
-from ..commit.retention import list_snapshots
+from ...export.commit.pointers import read_pointer as read_local_pointer
+from ...export.commit.retention import list_snapshots
 from .journal import Journal
 from .remote import apply_remote_retention, list_remote, publish_snapshot, read_pointer, remove_snapshot, swap_pointer
 from .store import Store

@@ -1,6 +1,6 @@
 """The bundled evaluator: perplexity of a snapshot on a text file, with transformers.
 
-    python -m paddle_fullparam_callbacks.export.evaluate.perplexity SNAPSHOT [--text FILE] [--output FILE]
+    python -m paddle_fullparam_callbacks.consumers.evaluate.perplexity SNAPSHOT [--text FILE] [--output FILE]
 
 Runs in the evaluator's environment (torch + transformers: the ``hf`` extra), never imports
 Paddle. The snapshot's own tokenizer (``AutoTokenizer``) reads the text line by line, each line
@@ -14,7 +14,7 @@ before it. The result, printed as the last line and written to ``--output``::
 ``perplexity`` = exp(mean negative log-likelihood per predicted token). As a recipe::
 
     evaluate:
-      command: "{python} -m paddle_fullparam_callbacks.export.evaluate.perplexity {snapshot} --output {output}"
+      command: "{python} -m paddle_fullparam_callbacks.consumers.evaluate.perplexity {snapshot} --output {output}"
       python: $PFC_HF_PYTHON          # an interpreter with torch and transformers
     retention:
       metric: evaluate.perplexity
@@ -90,7 +90,7 @@ def perplexity(snapshot: str, text_path: Path, window: int = 0, max_tokens: int 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m paddle_fullparam_callbacks.export.evaluate.perplexity",
+    ap = argparse.ArgumentParser(prog="python -m paddle_fullparam_callbacks.consumers.evaluate.perplexity",
                                  description="Perplexity of a Hugging Face snapshot on a text file (transformers, CPU).")
     ap.add_argument("snapshot", help="a snapshot directory (config.json, safetensors, tokenizer files)")
     ap.add_argument("--text", type=Path, default=None, help="a UTF-8 text file (default: the demo's held-out text)")

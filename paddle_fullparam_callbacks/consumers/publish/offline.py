@@ -14,8 +14,8 @@ from typing import Callable, List
 
 from ...config.schema import ConfigError, FullParamConfig
 from ...plan.naming import snapshot_step_pattern
-from ..commit.lock import OutputDirLocked, acquire_lock
-from ..commit.retention import list_snapshots, newest_run
+from ...export.commit.lock import OutputDirLocked, acquire_lock
+from ...export.commit.retention import list_snapshots, newest_run
 from . import records
 from .hook import Publication, PublishHook
 from .recovery import recover

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ... import _faults
-from ..commit import MANIFEST
-from ..write import checksum
+from ...export.commit import MANIFEST
+from ...export.write import checksum
 from .journal import Journal
 from .store import Store, StoreError, md5_b64
 from .upload import FileResult, Uploader
