@@ -70,12 +70,17 @@ def run_one(py_spy: str, tree: Path, src: Path, rate: float, workdir: Path) -> d
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--py-spy", required=True, help="the py-spy executable")
-    ap.add_argument("--before", type=Path, required=True, help="a checkout of the tree to compare with")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--rate", type=float, default=500)
+    # the tiny mode (bench/_common.py): this environment's py-spy, this tree against itself, once
+    ap.add_argument("--py-spy", required=not C.TINY, default=P._py_spy_beside_python() if C.TINY else None,
+                    help="the py-spy executable")
+    ap.add_argument("--before", type=Path, required=not C.TINY, default=C.tiny(None, ROOT),
+                    help="a checkout of the tree to compare with")
+    ap.add_argument("--reps", type=int, default=C.tiny(3, 1))
+    ap.add_argument("--rate", type=int, default=C.tiny(500, 50))  # py-spy takes whole samples per second
     ap.add_argument("--result", type=Path, default=RESULT_PATH)
     args = ap.parse_args(argv)
+    if not args.py_spy:
+        ap.error(f"no py-spy beside {sys.executable} nor on PATH: give --py-spy")
     trees = {"before": args.before.resolve(), "after": ROOT}
     runs = {t: [] for t in trees}
     quiet = []
