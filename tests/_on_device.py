@@ -49,6 +49,12 @@ def check_single_process(report: dict) -> None:
     # the embedding and the head alone are 16 chunks each (64 KB of bfloat16 in 4 KB chunks)
     assert staged["device"]["staged_chunks"] >= 32 and report["cases"]["llama_bf16"]["device"]["staged_chunks"] == 0
     assert report["cases"]["llama_chunks"]["device"]["files"] == report["cases"]["llama"]["device"]["files"]
+    # without a staging buffer an uncast slice leaves the device in one copy (each copy off a custom device costs
+    # Paddle a thread); through the staging buffer, in chunks
+    for case in ("llama", "llama_async", "tied"):
+        assert report["cases"][case]["device"]["copies_per_slice"] == [1], (case, report["cases"][case]["device"])
+    assert max(report["cases"]["llama_chunks"]["device"]["copies_per_slice"]) > 1
+    assert report["cases"]["llama_chunks"]["device"]["staged_chunks"] >= 32
     # a background export: the same bytes; every slice off the device went straight into the staging ring
     # (no second copy), the CPU parameters were copied in once, as from a CPU job
     runs = report["cases"]["llama_async"]

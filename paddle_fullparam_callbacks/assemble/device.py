@@ -7,11 +7,10 @@ hashing, writing) works on host arrays: the code the CPU tests run.
 The rule (``export.device_memory_budget``): an export never holds more than the budget of new
 device memory at any moment, whatever the model's largest tensor.
 
-* A contiguous slice is copied to the host in chunks of its own memory: a chunk is a view of the
-  parameter (no device allocation), copied by Paddle (``Tensor.copy_``) into the host array that
-  assembly then uses, or, on builds with CUDA, through one reused staging buffer of pinned host
-  memory (device-to-host copies run at full speed only into pinned memory). That costs no device
-  memory at all.
+* A contiguous slice is copied by Paddle (``Tensor.copy_``) straight into the host array that assembly
+  then uses, in one copy, or, on builds with CUDA, in chunks of its own memory (views of the parameter)
+  through one reused staging buffer of pinned host memory (device-to-host copies run at full speed only
+  into pinned memory). That costs no device memory at all.
 * A cast to ``export.dtype`` runs on the device, chunk by chunk, when one chunk of the result fits
   in the budget: the host then receives fewer bytes and has no cast to do. Otherwise (budget 0, or
   a chunk would not fit) the raw bytes come over and the host casts them.
@@ -94,6 +93,7 @@ class DeviceStats:
 
     d2h_bytes: int = 0
     d2h_s: float = 0.0
+    d2h_copies: int = 0  # copies off the device (Paddle calls: each has a fixed cost besides its bytes)
     device_casts: int = 0
     host_casts: int = 0
     device_transposes: int = 0  # tensors transposed on the device (in row blocks)
@@ -210,6 +210,11 @@ class DeviceBoundary:
             return
         if not tensor.is_contiguous():
             self._copy_strided(tensor, out, cast_to)
+        elif cast_to is None and len(tensor.shape) and self._staging_mode() == "none":
+            # straight into ``out``, no device memory either way: one copy, not one per chunk (each copy off a
+            # custom device costs Paddle a stream object with a thread of its own, made and joined: measured
+            # 0.07-0.35 ms per call here, more when the cores are busy)
+            self._to_host(tensor, out)
         else:
             self._copy_flat(tensor.reshape([-1]), out.reshape(-1), cast_to)  # (reshape of contiguous: a view)
         self.stats.d2h_bytes += out.nbytes
@@ -241,6 +246,7 @@ class DeviceBoundary:
         from .arrays import to_paddle
 
         dtype = dtype_of(piece)
+        self.stats.d2h_copies += 1
         stage = self.staging_buffer(dest.nbytes)
         if stage is None:
             to_paddle(dest, dtype).copy_(piece, True)
@@ -255,11 +261,7 @@ class DeviceBoundary:
         or None: the chunks then go straight into their destination. ``staging``: 'auto' (pinned host
         memory where Paddle has it: builds with CUDA), 'pinned', 'host' (ordinary host memory: the same
         two copies, for the tests of this path on other devices) or 'none'."""
-        mode = self.staging
-        if mode == "auto":
-            import paddle
-
-            mode = "pinned" if paddle.is_compiled_with_cuda() else "none"
+        mode = self._staging_mode()
         if mode == "none" or nbytes > self.chunk_bytes:
             return None
         key = (mode, self.chunk_bytes)
@@ -269,6 +271,14 @@ class DeviceBoundary:
             host = paddle.to_tensor(np.zeros(self.chunk_bytes, dtype=np.uint8), place=paddle.CPUPlace())
             _STAGING[key] = host.pin_memory() if mode == "pinned" else host
         return _STAGING[key]
+
+    def _staging_mode(self) -> str:
+        """``staging`` with 'auto' resolved: 'pinned' on builds with CUDA, 'none' elsewhere."""
+        if self.staging != "auto":
+            return self.staging
+        import paddle
+
+        return "pinned" if paddle.is_compiled_with_cuda() else "none"
 
     def _copy_strided(self, tensor, out: np.ndarray, cast_to: Optional[str]) -> None:
         """A non-contiguous slice (rare: a view a framework made). Paddle's ``numpy()`` copies a view to
