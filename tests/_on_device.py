@@ -28,7 +28,7 @@ def check_single_process(report: dict) -> None:
     every placement."""
     budgets = {"llama_bf16_budget0": 0}
     assert set(report["cases"]) == {"llama", "llama_bf16", "llama_bf16_budget0", "llama_staged", "llama_chunks", "tied",
-                                    "lora", "no_transpose", "llama_async"}
+                                    "lora", "no_transpose", "llama_async", "slow_transposes"}
     for case, runs in report["cases"].items():
         budget = budgets.get(case, 16000)
         for where, run in runs.items():
@@ -79,3 +79,9 @@ def check_single_process(report: dict) -> None:
         assert cases[case]["device"]["device_transposes"] == cases[case]["device"]["contiguous_calls"] == 0, case
     assert cases["no_transpose"]["device"]["files"] == cases["llama_bf16"]["device"]["files"]
     assert all(run["contiguous_calls"] == 0 for runs in cases.values() for run in (runs["cpu"],))
+    # a background export on a device whose transposes are slower than its copies off it: timed on the second
+    # transposed weight, the rest left to the host's writer threads; the same bytes, still straight into the ring
+    slow = cases["slow_transposes"]["device"]
+    assert slow["device_transposes"] == 2 < slow["transposes_asked"], slow
+    assert slow["files"] == cases["llama"]["device"]["files"]
+    assert slow["ring"]["arrays"] > 0 and slow["ring"]["copies"] == 0, slow["ring"]

@@ -20,7 +20,10 @@ device memory at any moment, whatever the model's largest tensor.
   contiguous on the device (``contiguous``, a transpose kernel), cast there if asked, and copied out; the
   host receives the bytes in file order and its writer copies nothing. Otherwise, and on a device that
   has no ``contiguous`` kernel (the first refusal is remembered per device type), the raw bytes come
-  over and the host's worker threads transpose them.
+  over and the host's worker threads transpose them. In a background export (``background``) training
+  waits for the device's transposes but not for the host's: there the second transposed weight is timed,
+  and where its transposes took longer than its copies off the device (a device that runs the kernel
+  on the host CPU), the rest of the export leaves them to the host (:func:`transposes_pay`).
 * A slice that is not contiguous (rare: a view made by a framework) is made contiguous on the
   device in row blocks that fit the budget; with a budget too small for one row it is refused with
   an error naming it, never copied past the budget.
@@ -28,7 +31,7 @@ device memory at any moment, whatever the model's largest tensor.
 A CPU tensor is not copied at all: the host array shares its memory (DLPack).
 
 Where the host arrays go: new arrays (``np.empty``), or, where the export hands them to a background
-writer (``export.async_write``), the export's pre-faulted staging ring (``host_alloc``): each chunk then
+writer (``export.async_write``), the export's pre-faulted staging ring (``host_alloc``): each slice then
 leaves the device straight into its place there, and nothing copies it again before the writer reads it.
 """
 from __future__ import annotations
@@ -110,6 +113,11 @@ class DeviceBoundary:
     host_alloc: Optional[Callable[[tuple, np.dtype], Optional[np.ndarray]]] = None
     """(shape, dtype) -> a new C-contiguous host array, or None for an ordinary one: where device slices
     land (the staging ring of a background export: ``export/session/host.HostRing.array``)."""
+    background: bool = False
+    """The host arrays go to a background writer (``export.async_write``): training waits for the copies
+    off the device, not for the writer. Transposes then stay on the device only while they are faster than
+    the copies (:func:`transposes_pay`)."""
+    _host_transposes: bool = field(default=False, repr=False)  # measured slower than the copies: the host's
 
     def _new(self, shape, storage) -> np.ndarray:
         out = self.host_alloc(tuple(shape), np.dtype(storage)) if self.host_alloc is not None else None
@@ -167,7 +175,7 @@ class DeviceBoundary:
         """``tensor.T`` (cast to ``want``) as a contiguous host array, made on the device in row blocks
         within the budget; None where one row does not fit or the device cannot transpose."""
         m, n = (int(d) for d in tensor.shape)
-        if not m or not n or str(tensor.place).split(":")[0] in _NO_TRANSPOSE:
+        if not m or not n or self._host_transposes or str(tensor.place).split(":")[0] in _NO_TRANSPOSE:
             return None
         item, item_out = _dtypes.lookup(dtype).itemsize, _dtypes.lookup(want).itemsize
         # per row of the result: the transposed block, a copy of the strided slice where a device makes
@@ -180,8 +188,10 @@ class DeviceBoundary:
         if not tensor.stop_gradient:
             tensor = tensor.detach()
         out = self._new((n, m), _dtypes.lookup(want).np_storage)
+        transpose_s = copy_s = 0.0
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
+            t = time.perf_counter()
             try:
                 block = tensor[:, r0:r1].transpose([1, 0]).contiguous()  # a transpose kernel on the device
             except (RuntimeError, NotImplementedError, ValueError, OSError) as e:
@@ -190,12 +200,21 @@ class DeviceBoundary:
                 _NO_TRANSPOSE.add(str(tensor.place).split(":")[0])  # no such kernel there: the host transposes
                 logger.debug("no transpose on %s (%s): transposes run on the host", tensor.place, e)
                 return None
+            transpose_s += time.perf_counter() - t
             if want != dtype:
                 block = block.astype(want)
                 self.stats.device_casts += 1
+            t = time.perf_counter()
             self._to_host(block.reshape([-1]), out[r0:r1].reshape(-1))
+            copy_s += time.perf_counter() - t
             del block
         self.stats.device_transposes += 1
+        # decided on the export's second transposed weight: the first may carry the kernel's one-time setup
+        if self.background and self.stats.device_transposes == 2 and not transposes_pay(transpose_s, copy_s):
+            self._host_transposes = True  # for the rest of this export: the writer's threads transpose
+            _say_once(f"host-transposes:{str(tensor.place).split(':')[0]}", "the transpose of a %s tensor on %s took "
+                      "%.1f ms, its copy to the host %.1f ms: background exports leave the Linear weights' transposes "
+                      "to the writer's threads", list(tensor.shape), tensor.place, transpose_s * 1e3, copy_s * 1e3)
         self.stats.d2h_bytes += out.nbytes
         self.stats.d2h_s += time.perf_counter() - t0
         return out
@@ -326,6 +345,27 @@ def _paddle_dtype(name: str):
 
 _STAGING: Dict[tuple, object] = {}  # (mode, bytes) -> the process's staging buffer
 _NO_TRANSPOSE: set = set()  # device types that refused a transpose (no contiguous kernel)
+_SAID: set = set()
+
+
+def transposes_pay(transpose_s: float, copy_s: float) -> bool:
+    """Whether a background export keeps transposing on the device, timed on its second transposed weight: the
+    time until the device's transposes returned against the time its copies to the host took. Training waits
+    for both; the host's transposes run on the writer's threads, off the training thread. A GPU's transpose
+    kernel returns at its launch and runs at hundreds of GB/s: it pays (the writer then copies nothing); a
+    device that transposes no faster than it copies (one that runs the kernel on the host CPU, in the training
+    thread) does not.
+
+    >>> transposes_pay(0.0001, 0.004), transposes_pay(0.012, 0.004)
+    (True, False)
+    """
+    return transpose_s < copy_s
+
+
+def _say_once(key: str, msg: str, *args) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        logger.info(msg, *args)
 
 
 def host_array(tensor) -> np.ndarray:

@@ -17,6 +17,9 @@ Cases (one process, so Paddle and the frameworks are imported once):
 - ``lora``: a LoRA model with nonzero adapters, merged, with its PEFT adapter, budget 16 KB;
 - ``no_transpose``: ``bfloat16``, budget 16 KB, on a device whose ``contiguous`` fails (the kernel made to
   refuse, as the plugin without its kernels does): the transposes fall back to the host;
+- ``slow_transposes``: a background export (``export.async_write``) on a device whose ``contiguous`` takes
+  5 ms a call (slower than its copies to the host): the first two Linear weights are transposed on the
+  device, then the host's writer threads transpose the rest;
 - ``mixed``: the llama with its first decoder layer and its LM head moved to the CPU (offloaded).
 
 The process runs with the plugin's ``contiguous`` kernel (``device_env(kernels=True)``): the Linear
@@ -34,6 +37,7 @@ import argparse
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -163,6 +167,7 @@ def main() -> int:
         "lora": ("lora", [budget, "export.peft_adapter=inside"]),
         "no_transpose": ("llama", [budget, "export.dtype=bfloat16"]),  # contiguous refused on the device
         "llama_async": ("llama", [budget, "export.async_write=true"]),  # device -> the staging ring, once
+        "slow_transposes": ("llama", [budget, "export.async_write=true"]),  # contiguous slower than the copies
     }
     report = {"framework": ns.framework, "cases": {}}
     from paddle_fullparam_callbacks.assemble import device
@@ -186,6 +191,12 @@ def main() -> int:
                 raise RuntimeError("(NotFound) The kernel `contiguous` is not registered (test)")
 
             paddle.Tensor.contiguous = refused
+        elif case == "slow_transposes":
+            def slow(self, real=real_contiguous):
+                time.sleep(0.005)
+                return real(self)
+
+            paddle.Tensor.contiguous = slow
         runs = {}
         for where in ("device", "mixed", "cpu"):
             place(model, where)
