@@ -184,6 +184,8 @@ def main():
     ap.add_argument("--before-package", help="a directory holding an older paddle_fullparam_callbacks: every chosen "
                                              "variant also runs with it (NAME@before), interleaved")
     ap.add_argument("--result", default=RESULT_PATH.name, help="file name under bench/results/")
+    ap.add_argument("--quiet-wait", type=float, default=60.0, help="seconds to wait at most for an idle machine "
+                                                                   "before each run")
     ns = ap.parse_args()
     if ns.variant:
         print(json.dumps(child(ns.variant, Path(ns.out), ns.exports, ns.train_seconds)))
@@ -196,7 +198,7 @@ def main():
     for rep in range(ns.reps):
         for n in names:
             tmp = Path(tempfile.mkdtemp(prefix="pfc_devstall_"))
-            quiet.append(C.wait_quiet(60))
+            quiet.append(C.wait_quiet(ns.quiet_wait))
             try:
                 r = C.run_child([__file__, "--variant", n, "--out", str(tmp / "out"), "--exports", str(ns.exports),
                                  "--train-seconds", str(ns.train_seconds)], env=_env(n, before))

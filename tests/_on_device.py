@@ -79,8 +79,8 @@ def check_single_process(report: dict) -> None:
         assert cases[case]["device"]["device_transposes"] == cases[case]["device"]["contiguous_calls"] == 0, case
     assert cases["no_transpose"]["device"]["files"] == cases["llama_bf16"]["device"]["files"]
     assert all(run["contiguous_calls"] == 0 for runs in cases.values() for run in (runs["cpu"],))
-    # a background export on a device whose transposes are slower than its copies off it: timed on the second
-    # transposed weight, the rest left to the host's writer threads; the same bytes, still straight into the ring
+    # a background export on a device whose transposes are slower than its copies off it: judged on the second
+    # transposed weight here, the rest left to the host's writer threads; the same bytes, still straight into the ring
     slow = cases["slow_transposes"]["device"]
     assert slow["device_transposes"] == 2 < slow["transposes_asked"], slow
     assert slow["files"] == cases["llama"]["device"]["files"]

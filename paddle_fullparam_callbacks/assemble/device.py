@@ -21,9 +21,10 @@ device memory at any moment, whatever the model's largest tensor.
   host receives the bytes in file order and its writer copies nothing. Otherwise, and on a device that
   has no ``contiguous`` kernel (the first refusal is remembered per device type), the raw bytes come
   over and the host's worker threads transpose them. In a background export (``background``) training
-  waits for the device's transposes but not for the host's: there the second transposed weight is timed,
-  and where its transposes took longer than its copies off the device (a device that runs the kernel
-  on the host CPU), the rest of the export leaves them to the host (:func:`transposes_pay`).
+  waits for the device's transposes but not for the host's: there the transposed weights after the first
+  are timed until 8 MB were, and where their transposes took longer than their copies off the device (a
+  device that runs the kernel on the host CPU), the rest of the export leaves them to the host
+  (:func:`transposes_pay`).
 * A slice that is not contiguous (rare: a view made by a framework) is made contiguous on the
   device in row blocks that fit the budget; with a budget too small for one row it is refused with
   an error naming it, never copied past the budget.
@@ -47,6 +48,7 @@ import numpy as np
 from .. import _dtypes
 
 CHUNK_BYTES = 16 * 2**20  # bytes per device-to-host copy: large enough to run at copy speed
+TIMED_BYTES = 8 * 2**20  # transposes timed (after the first weight) before a background export judges them
 ALIGN = 512  # device allocators round each allocation up (CUDA's caching allocator to 512 bytes)
 DEFAULT_STAGING = "auto"  # see DeviceBoundary.staging_buffer (tests set 'host' to run the staged path)
 
@@ -118,6 +120,7 @@ class DeviceBoundary:
     off the device, not for the writer. Transposes then stay on the device only while they are faster than
     the copies (:func:`transposes_pay`)."""
     _host_transposes: bool = field(default=False, repr=False)  # measured slower than the copies: the host's
+    _timed: Optional[list] = field(default_factory=lambda: [0.0, 0.0, 0], repr=False)  # transpose s, copy s, bytes
 
     def _new(self, shape, storage) -> np.ndarray:
         out = self.host_alloc(tuple(shape), np.dtype(storage)) if self.host_alloc is not None else None
@@ -209,15 +212,28 @@ class DeviceBoundary:
             copy_s += time.perf_counter() - t
             del block
         self.stats.device_transposes += 1
-        # decided on the export's second transposed weight: the first may carry the kernel's one-time setup
-        if self.background and self.stats.device_transposes == 2 and not transposes_pay(transpose_s, copy_s):
-            self._host_transposes = True  # for the rest of this export: the writer's threads transpose
-            _say_once(f"host-transposes:{str(tensor.place).split(':')[0]}", "the transpose of a %s tensor on %s took "
-                      "%.1f ms, its copy to the host %.1f ms: background exports leave the Linear weights' transposes "
-                      "to the writer's threads", list(tensor.shape), tensor.place, transpose_s * 1e3, copy_s * 1e3)
+        if self.background and self.stats.device_transposes > 1:  # (the first may carry the kernel's one-time setup)
+            self._judge_transposes(tensor.place, transpose_s, copy_s, out.nbytes)
         self.stats.d2h_bytes += out.nbytes
         self.stats.d2h_s += time.perf_counter() - t0
         return out
+
+    def _judge_transposes(self, place, transpose_s: float, copy_s: float, nbytes: int) -> None:
+        """A background export's verdict on its device's transposes, once TIMED_BYTES of them were timed (after the
+        first weight): where they took longer than their copies off the device, the rest of the export leaves
+        them to the writer's threads."""
+        timed = self._timed
+        if timed is None:
+            return
+        timed[0], timed[1], timed[2] = timed[0] + transpose_s, timed[1] + copy_s, timed[2] + nbytes
+        if timed[2] < TIMED_BYTES:
+            return
+        self._timed = None
+        if not transposes_pay(timed[0], timed[1]):
+            self._host_transposes = True
+            _say_once(f"host-transposes:{str(place).split(':')[0]}", "transposes on %s took %.1f ms for %.0f MB, their "
+                      "copies to the host %.1f ms: background exports leave the Linear weights' transposes to the "
+                      "writer's threads", place, timed[0] * 1e3, timed[2] / 2**20, timed[1] * 1e3)
 
     # ---- the copy -------------------------------------------------------------------------
     def _copy_out(self, tensor, out: np.ndarray, cast_to: Optional[str]) -> None:
@@ -349,8 +365,8 @@ _SAID: set = set()
 
 
 def transposes_pay(transpose_s: float, copy_s: float) -> bool:
-    """Whether a background export keeps transposing on the device, timed on its second transposed weight: the
-    time until the device's transposes returned against the time its copies to the host took. Training waits
+    """Whether a background export keeps transposing on the device, from its timed transposed weights: the
+    time until the device's transposes returned against the time their copies to the host took. Training waits
     for both; the host's transposes run on the writer's threads, off the training thread. A GPU's transpose
     kernel returns at its launch and runs at hundreds of GB/s: it pays (the writer then copies nothing); a
     device that transposes no faster than it copies (one that runs the kernel on the host CPU, in the training
