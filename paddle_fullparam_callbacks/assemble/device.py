@@ -22,8 +22,8 @@ device memory at any moment, whatever the model's largest tensor.
   has no ``contiguous`` kernel (the first refusal is remembered per device type), the raw bytes come
   over and the host's worker threads transpose them. In a background export (``background``) training
   waits for the device's transposes but not for the host's: there the transposed weights after the first
-  are timed until 8 MB were, and where their transposes took longer than their copies off the device (a
-  device that runs the kernel on the host CPU), the rest of the export leaves them to the host
+  are timed until 8 MB were, and where their transposes ran no faster than a host's (10 GB/s: a device
+  that runs the kernel on the host CPU), the rest of the export leaves them to the host
   (:func:`transposes_pay`).
 * A slice that is not contiguous (rare: a view made by a framework) is made contiguous on the
   device in row blocks that fit the budget; with a budget too small for one row it is refused with
@@ -49,6 +49,9 @@ from .. import _dtypes
 
 CHUNK_BYTES = 16 * 2**20  # bytes per device-to-host copy: large enough to run at copy speed
 TIMED_BYTES = 8 * 2**20  # transposes timed (after the first weight) before a background export judges them
+# bytes/s above any host's transposes (the writer's threads transpose float32 at about 2 GB/s here,
+# docs/performance.md); a GPU's kernel returns at its launch (tens of GB/s for MB-sized weights, more so)
+HOST_TRANSPOSE_RATE = 10e9
 ALIGN = 512  # device allocators round each allocation up (CUDA's caching allocator to 512 bytes)
 DEFAULT_STAGING = "auto"  # see DeviceBoundary.staging_buffer (tests set 'host' to run the staged path)
 
@@ -118,9 +121,9 @@ class DeviceBoundary:
     background: bool = False
     """The host arrays go to a background writer (``export.async_write``): training waits for the copies
     off the device, not for the writer. Transposes then stay on the device only while they are faster than
-    the copies (:func:`transposes_pay`)."""
-    _host_transposes: bool = field(default=False, repr=False)  # measured slower than the copies: the host's
-    _timed: Optional[list] = field(default_factory=lambda: [0.0, 0.0, 0], repr=False)  # transpose s, copy s, bytes
+    a host's (:func:`transposes_pay`)."""
+    _host_transposes: bool = field(default=False, repr=False)  # judged no faster than a host: the writer transposes
+    _timed: Optional[list] = field(default_factory=lambda: [0.0, 0], repr=False)  # transposes: seconds, bytes
 
     def _new(self, shape, storage) -> np.ndarray:
         out = self.host_alloc(tuple(shape), np.dtype(storage)) if self.host_alloc is not None else None
@@ -191,7 +194,7 @@ class DeviceBoundary:
         if not tensor.stop_gradient:
             tensor = tensor.detach()
         out = self._new((n, m), _dtypes.lookup(want).np_storage)
-        transpose_s = copy_s = 0.0
+        transpose_s = 0.0
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             t = time.perf_counter()
@@ -207,33 +210,32 @@ class DeviceBoundary:
             if want != dtype:
                 block = block.astype(want)
                 self.stats.device_casts += 1
-            t = time.perf_counter()
             self._to_host(block.reshape([-1]), out[r0:r1].reshape(-1))
-            copy_s += time.perf_counter() - t
             del block
         self.stats.device_transposes += 1
         if self.background and self.stats.device_transposes > 1:  # (the first may carry the kernel's one-time setup)
-            self._judge_transposes(tensor.place, transpose_s, copy_s, out.nbytes)
+            self._judge_transposes(tensor.place, transpose_s, m * n * item)
         self.stats.d2h_bytes += out.nbytes
         self.stats.d2h_s += time.perf_counter() - t0
         return out
 
-    def _judge_transposes(self, place, transpose_s: float, copy_s: float, nbytes: int) -> None:
+    def _judge_transposes(self, place, transpose_s: float, nbytes: int) -> None:
         """A background export's verdict on its device's transposes, once TIMED_BYTES of them were timed (after the
-        first weight): where they took longer than their copies off the device, the rest of the export leaves
-        them to the writer's threads."""
+        first weight): where they ran no faster than a host's (:func:`transposes_pay`), the rest of the export
+        leaves them to the writer's threads."""
         timed = self._timed
         if timed is None:
             return
-        timed[0], timed[1], timed[2] = timed[0] + transpose_s, timed[1] + copy_s, timed[2] + nbytes
-        if timed[2] < TIMED_BYTES:
+        timed[0], timed[1] = timed[0] + transpose_s, timed[1] + nbytes
+        if timed[1] < TIMED_BYTES:
             return
         self._timed = None
         if not transposes_pay(timed[0], timed[1]):
             self._host_transposes = True
-            _say_once(f"host-transposes:{str(place).split(':')[0]}", "transposes on %s took %.1f ms for %.0f MB, their "
-                      "copies to the host %.1f ms: background exports leave the Linear weights' transposes to the "
-                      "writer's threads", place, timed[0] * 1e3, timed[2] / 2**20, timed[1] * 1e3)
+            _say_once(f"host-transposes:{str(place).split(':')[0]}", "transposes on %s ran at %.2f GB/s (%.0f MB in "
+                      "%.1f ms), no faster than a host's: background exports leave the Linear weights' transposes to "
+                      "the writer's threads", place, timed[1] / max(timed[0], 1e-9) / 1e9, timed[1] / 2**20,
+                      timed[0] * 1e3)
 
     # ---- the copy -------------------------------------------------------------------------
     def _copy_out(self, tensor, out: np.ndarray, cast_to: Optional[str]) -> None:
@@ -364,18 +366,18 @@ _NO_TRANSPOSE: set = set()  # device types that refused a transpose (no contiguo
 _SAID: set = set()
 
 
-def transposes_pay(transpose_s: float, copy_s: float) -> bool:
-    """Whether a background export keeps transposing on the device, from its timed transposed weights: the
-    time until the device's transposes returned against the time their copies to the host took. Training waits
-    for both; the host's transposes run on the writer's threads, off the training thread. A GPU's transpose
-    kernel returns at its launch and runs at hundreds of GB/s: it pays (the writer then copies nothing); a
-    device that transposes no faster than it copies (one that runs the kernel on the host CPU, in the training
-    thread) does not.
+def transposes_pay(transpose_s: float, nbytes: int) -> bool:
+    """Whether a background export keeps transposing on the device: ``nbytes`` of its weights were transposed
+    in ``transpose_s`` (the time until the device's ``contiguous`` returned), faster than HOST_TRANSPOSE_RATE.
+    Training waits for the device's transposes, not for the host's (the writer's threads, off the training
+    thread). A GPU's transpose kernel returns at its launch and runs at hundreds of GB/s: it pays, and the
+    writer then copies nothing; a device that transposes no faster than a host (one that runs the kernel on
+    the host CPU, in the training thread) does not.
 
-    >>> transposes_pay(0.0001, 0.004), transposes_pay(0.012, 0.004)
+    >>> transposes_pay(0.0002, 8 * 2**20), transposes_pay(0.008, 8 * 2**20)
     (True, False)
     """
-    return transpose_s < copy_s
+    return nbytes >= HOST_TRANSPOSE_RATE * transpose_s
 
 
 def _say_once(key: str, msg: str, *args) -> None:
