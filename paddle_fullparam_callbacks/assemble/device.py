@@ -193,7 +193,7 @@ class DeviceBoundary:
         t0 = time.perf_counter()
         if not tensor.stop_gradient:
             tensor = tensor.detach()
-        out = self._new((n, m), _dtypes.lookup(want).np_storage)
+        out = None  # made once the device transposed a first block: a refusal leaves no gap in the staging ring
         transpose_s = 0.0
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
@@ -207,6 +207,8 @@ class DeviceBoundary:
                 logger.debug("no transpose on %s (%s): transposes run on the host", tensor.place, e)
                 return None
             transpose_s += time.perf_counter() - t
+            if out is None:
+                out = self._new((n, m), _dtypes.lookup(want).np_storage)
             if want != dtype:
                 block = block.astype(want)
                 self.stats.device_casts += 1
