@@ -7,11 +7,10 @@ hashing, writing) works on host arrays: the code the CPU tests run.
 The rule (``export.device_memory_budget``): an export never holds more than the budget of new
 device memory at any moment, whatever the model's largest tensor.
 
-* A contiguous slice is copied to the host in chunks of its own memory: a chunk is a view of the
-  parameter (no device allocation), copied by Paddle (``Tensor.copy_``) into the host array that
-  assembly then uses, or, on builds with CUDA, through one reused staging buffer of pinned host
-  memory (device-to-host copies run at full speed only into pinned memory). That costs no device
-  memory at all.
+* A contiguous slice is copied by Paddle (``Tensor.copy_``) straight into the host array that assembly
+  then uses, in one copy, or, on builds with CUDA, in chunks of its own memory (views of the parameter)
+  through one reused staging buffer of pinned host memory (device-to-host copies run at full speed only
+  into pinned memory). That costs no device memory at all.
 * A cast to ``export.dtype`` runs on the device, chunk by chunk, when one chunk of the result fits
   in the budget: the host then receives fewer bytes and has no cast to do. Otherwise (budget 0, or
   a chunk would not fit) the raw bytes come over and the host casts them.
@@ -21,7 +20,11 @@ device memory at any moment, whatever the model's largest tensor.
   contiguous on the device (``contiguous``, a transpose kernel), cast there if asked, and copied out; the
   host receives the bytes in file order and its writer copies nothing. Otherwise, and on a device that
   has no ``contiguous`` kernel (the first refusal is remembered per device type), the raw bytes come
-  over and the host's worker threads transpose them.
+  over and the host's worker threads transpose them. In a background export (``background``) training
+  waits for the device's transposes but not for the host's: there the transposed weights after the first
+  are timed until 8 MB were, and where their transposes ran no faster than a host's (10 GB/s: a device
+  that runs the kernel on the host CPU), the rest of the export leaves them to the host
+  (:func:`transposes_pay`).
 * A slice that is not contiguous (rare: a view made by a framework) is made contiguous on the
   device in row blocks that fit the budget; with a budget too small for one row it is refused with
   an error naming it, never copied past the budget.
@@ -29,7 +32,7 @@ device memory at any moment, whatever the model's largest tensor.
 A CPU tensor is not copied at all: the host array shares its memory (DLPack).
 
 Where the host arrays go: new arrays (``np.empty``), or, where the export hands them to a background
-writer (``export.async_write``), the export's pre-faulted staging ring (``host_alloc``): each chunk then
+writer (``export.async_write``), the export's pre-faulted staging ring (``host_alloc``): each slice then
 leaves the device straight into its place there, and nothing copies it again before the writer reads it.
 """
 from __future__ import annotations
@@ -45,6 +48,10 @@ import numpy as np
 from .. import _dtypes
 
 CHUNK_BYTES = 16 * 2**20  # bytes per device-to-host copy: large enough to run at copy speed
+TIMED_BYTES = 8 * 2**20  # transposes timed (after the first weight) before a background export judges them
+# bytes/s above any host's transposes (the writer's threads transpose float32 at about 2 GB/s here,
+# docs/performance.md); a GPU's kernel returns at its launch (tens of GB/s for MB-sized weights, more so)
+HOST_TRANSPOSE_RATE = 10e9
 ALIGN = 512  # device allocators round each allocation up (CUDA's caching allocator to 512 bytes)
 DEFAULT_STAGING = "auto"  # see DeviceBoundary.staging_buffer (tests set 'host' to run the staged path)
 
@@ -94,6 +101,7 @@ class DeviceStats:
 
     d2h_bytes: int = 0
     d2h_s: float = 0.0
+    d2h_copies: int = 0  # copies off the device (Paddle calls: each has a fixed cost besides its bytes)
     device_casts: int = 0
     host_casts: int = 0
     device_transposes: int = 0  # tensors transposed on the device (in row blocks)
@@ -110,6 +118,12 @@ class DeviceBoundary:
     host_alloc: Optional[Callable[[tuple, np.dtype], Optional[np.ndarray]]] = None
     """(shape, dtype) -> a new C-contiguous host array, or None for an ordinary one: where device slices
     land (the staging ring of a background export: ``export/session/host.HostRing.array``)."""
+    background: bool = False
+    """The host arrays go to a background writer (``export.async_write``): training waits for the copies
+    off the device, not for the writer. Transposes then stay on the device only while they are faster than
+    a host's (:func:`transposes_pay`)."""
+    _host_transposes: bool = field(default=False, repr=False)  # judged no faster than a host: the writer transposes
+    _timed: Optional[list] = field(default_factory=lambda: [0.0, 0], repr=False)  # transposes: seconds, bytes
 
     def _new(self, shape, storage) -> np.ndarray:
         out = self.host_alloc(tuple(shape), np.dtype(storage)) if self.host_alloc is not None else None
@@ -167,7 +181,7 @@ class DeviceBoundary:
         """``tensor.T`` (cast to ``want``) as a contiguous host array, made on the device in row blocks
         within the budget; None where one row does not fit or the device cannot transpose."""
         m, n = (int(d) for d in tensor.shape)
-        if not m or not n or str(tensor.place).split(":")[0] in _NO_TRANSPOSE:
+        if not m or not n or self._host_transposes or str(tensor.place).split(":")[0] in _NO_TRANSPOSE:
             return None
         item, item_out = _dtypes.lookup(dtype).itemsize, _dtypes.lookup(want).itemsize
         # per row of the result: the transposed block, a copy of the strided slice where a device makes
@@ -179,9 +193,11 @@ class DeviceBoundary:
         t0 = time.perf_counter()
         if not tensor.stop_gradient:
             tensor = tensor.detach()
-        out = self._new((n, m), _dtypes.lookup(want).np_storage)
+        out = None  # made once the device transposed a first block: a refusal leaves no gap in the staging ring
+        transpose_s = 0.0
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
+            t = time.perf_counter()
             try:
                 block = tensor[:, r0:r1].transpose([1, 0]).contiguous()  # a transpose kernel on the device
             except (RuntimeError, NotImplementedError, ValueError, OSError) as e:
@@ -190,15 +206,38 @@ class DeviceBoundary:
                 _NO_TRANSPOSE.add(str(tensor.place).split(":")[0])  # no such kernel there: the host transposes
                 logger.debug("no transpose on %s (%s): transposes run on the host", tensor.place, e)
                 return None
+            transpose_s += time.perf_counter() - t
+            if out is None:
+                out = self._new((n, m), _dtypes.lookup(want).np_storage)
             if want != dtype:
                 block = block.astype(want)
                 self.stats.device_casts += 1
             self._to_host(block.reshape([-1]), out[r0:r1].reshape(-1))
             del block
         self.stats.device_transposes += 1
+        if self.background and self.stats.device_transposes > 1:  # (the first may carry the kernel's one-time setup)
+            self._judge_transposes(tensor.place, transpose_s, m * n * item)
         self.stats.d2h_bytes += out.nbytes
         self.stats.d2h_s += time.perf_counter() - t0
         return out
+
+    def _judge_transposes(self, place, transpose_s: float, nbytes: int) -> None:
+        """A background export's verdict on its device's transposes, once TIMED_BYTES of them were timed (after the
+        first weight): where they ran no faster than a host's (:func:`transposes_pay`), the rest of the export
+        leaves them to the writer's threads."""
+        timed = self._timed
+        if timed is None:
+            return
+        timed[0], timed[1] = timed[0] + transpose_s, timed[1] + nbytes
+        if timed[1] < TIMED_BYTES:
+            return
+        self._timed = None
+        if not transposes_pay(timed[0], timed[1]):
+            self._host_transposes = True
+            _say_once(f"host-transposes:{str(place).split(':')[0]}", "transposes on %s ran at %.2f GB/s (%.0f MB in "
+                      "%.1f ms), no faster than a host's: background exports leave the Linear weights' transposes to "
+                      "the writer's threads", place, timed[1] / max(timed[0], 1e-9) / 1e9, timed[1] / 2**20,
+                      timed[0] * 1e3)
 
     # ---- the copy -------------------------------------------------------------------------
     def _copy_out(self, tensor, out: np.ndarray, cast_to: Optional[str]) -> None:
@@ -210,6 +249,11 @@ class DeviceBoundary:
             return
         if not tensor.is_contiguous():
             self._copy_strided(tensor, out, cast_to)
+        elif cast_to is None and len(tensor.shape) and self._staging_mode() == "none":
+            # straight into ``out``, no device memory either way: one copy, not one per chunk (each copy off a
+            # custom device costs Paddle a stream object with a thread of its own, made and joined: measured
+            # 0.07-0.35 ms per call here, more when the cores are busy)
+            self._to_host(tensor, out)
         else:
             self._copy_flat(tensor.reshape([-1]), out.reshape(-1), cast_to)  # (reshape of contiguous: a view)
         self.stats.d2h_bytes += out.nbytes
@@ -241,6 +285,7 @@ class DeviceBoundary:
         from .arrays import to_paddle
 
         dtype = dtype_of(piece)
+        self.stats.d2h_copies += 1
         stage = self.staging_buffer(dest.nbytes)
         if stage is None:
             to_paddle(dest, dtype).copy_(piece, True)
@@ -255,11 +300,7 @@ class DeviceBoundary:
         or None: the chunks then go straight into their destination. ``staging``: 'auto' (pinned host
         memory where Paddle has it: builds with CUDA), 'pinned', 'host' (ordinary host memory: the same
         two copies, for the tests of this path on other devices) or 'none'."""
-        mode = self.staging
-        if mode == "auto":
-            import paddle
-
-            mode = "pinned" if paddle.is_compiled_with_cuda() else "none"
+        mode = self._staging_mode()
         if mode == "none" or nbytes > self.chunk_bytes:
             return None
         key = (mode, self.chunk_bytes)
@@ -269,6 +310,14 @@ class DeviceBoundary:
             host = paddle.to_tensor(np.zeros(self.chunk_bytes, dtype=np.uint8), place=paddle.CPUPlace())
             _STAGING[key] = host.pin_memory() if mode == "pinned" else host
         return _STAGING[key]
+
+    def _staging_mode(self) -> str:
+        """``staging`` with 'auto' resolved: 'pinned' on builds with CUDA, 'none' elsewhere."""
+        if self.staging != "auto":
+            return self.staging
+        import paddle
+
+        return "pinned" if paddle.is_compiled_with_cuda() else "none"
 
     def _copy_strided(self, tensor, out: np.ndarray, cast_to: Optional[str]) -> None:
         """A non-contiguous slice (rare: a view a framework made). Paddle's ``numpy()`` copies a view to
@@ -316,6 +365,27 @@ def _paddle_dtype(name: str):
 
 _STAGING: Dict[tuple, object] = {}  # (mode, bytes) -> the process's staging buffer
 _NO_TRANSPOSE: set = set()  # device types that refused a transpose (no contiguous kernel)
+_SAID: set = set()
+
+
+def transposes_pay(transpose_s: float, nbytes: int) -> bool:
+    """Whether a background export keeps transposing on the device: ``nbytes`` of its weights were transposed
+    in ``transpose_s`` (the time until the device's ``contiguous`` returned), faster than HOST_TRANSPOSE_RATE.
+    Training waits for the device's transposes, not for the host's (the writer's threads, off the training
+    thread). A GPU's transpose kernel returns at its launch and runs at hundreds of GB/s: it pays, and the
+    writer then copies nothing; a device that transposes no faster than a host (one that runs the kernel on
+    the host CPU, in the training thread) does not.
+
+    >>> transposes_pay(0.0002, 8 * 2**20), transposes_pay(0.008, 8 * 2**20)
+    (True, False)
+    """
+    return nbytes >= HOST_TRANSPOSE_RATE * transpose_s
+
+
+def _say_once(key: str, msg: str, *args) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        logger.info(msg, *args)
 
 
 def host_array(tensor) -> np.ndarray:

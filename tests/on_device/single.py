@@ -10,12 +10,16 @@ Cases (one process, so Paddle and the frameworks are imported once):
   (the cast runs on the device in 16 KB chunks); ``bfloat16`` with budget 0 (the cast runs on the host);
 - ``llama_staged``: ``bfloat16`` again, in 4 KB chunks, each through a reused host staging buffer (the path of
   CUDA builds, with pinned memory there);
-- ``llama_chunks``: ``keep`` copied in 4 KB chunks (the staged case too): every tensor of more than 4 KB
-  leaves the device as many views at growing offsets;
+- ``llama_chunks``: ``keep`` copied in 4 KB chunks through the staging buffer (without one, a ``keep`` slice
+  leaves the device in one copy): every tensor of more than 4 KB leaves the device as many views at
+  growing offsets;
 - ``tied``: a tied Llama, budget 16 KB;
 - ``lora``: a LoRA model with nonzero adapters, merged, with its PEFT adapter, budget 16 KB;
 - ``no_transpose``: ``bfloat16``, budget 16 KB, on a device whose ``contiguous`` fails (the kernel made to
   refuse, as the plugin without its kernels does): the transposes fall back to the host;
+- ``slow_transposes``: a background export (``export.async_write``) on a device whose ``contiguous`` takes
+  5 ms a call (slower than its copies to the host), judged on the second weight (``TIMED_BYTES`` 1): the
+  first two Linear weights are transposed on the device, then the host's writer threads transpose the rest;
 - ``mixed``: the llama with its first decoder layer and its LM head moved to the CPU (offloaded).
 
 The process runs with the plugin's ``contiguous`` kernel (``device_env(kernels=True)``): the Linear
@@ -33,6 +37,7 @@ import argparse
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -69,7 +74,15 @@ def export(model, out: Path, overrides) -> dict:
             transposes.append(out is not None)
             return out
 
-        device.DeviceBoundary._transposed_out = counted
+        copies = []  # per slice copied out as it is (not transposed on the device): the copies off the device
+        real_copy_out = device.DeviceBoundary._copy_out
+
+        def copy_out(self, *a):
+            before_copies = self.stats.d2h_copies
+            real_copy_out(self, *a)
+            copies.append(self.stats.d2h_copies - before_copies)
+
+        device.DeviceBoundary._transposed_out, device.DeviceBoundary._copy_out = counted, copy_out
         ring = {"arrays": 0, "copies": 0}  # background exports: slices put in the ring by the boundary, copied in
         real_array, real_copy = HostRing.array, HostRing.copy_in
 
@@ -89,7 +102,7 @@ def export(model, out: Path, overrides) -> dict:
             info = session.export(source, 1, reason="test")
             info = session.wait_pending() or info  # a background export: its final record
         finally:
-            device.DeviceBoundary._transposed_out = real
+            device.DeviceBoundary._transposed_out, device.DeviceBoundary._copy_out = real, real_copy_out
             HostRing.array, HostRing.copy_in = real_array, real_copy
         peak = paddle.device.max_memory_allocated(DEVICE) - before
         calls = fd.contiguous_calls()[0] - calls
@@ -101,7 +114,8 @@ def export(model, out: Path, overrides) -> dict:
     index = info.path / "model.safetensors.index.json"
     return {"device_peak": peak, "files": files, "index": json.loads(index.read_text())["weight_map"],
             "timings": info.timings, "path": str(info.path), "contiguous_calls": calls,
-            "device_transposes": sum(transposes), "transposes_asked": len(transposes), "ring": ring}
+            "device_transposes": sum(transposes), "transposes_asked": len(transposes), "ring": ring,
+            "copies_per_slice": sorted(set(copies))}
 
 
 def place(model, where: str) -> None:
@@ -148,11 +162,12 @@ def main() -> int:
         "llama_bf16": ("llama", [budget, "export.dtype=bfloat16"]),
         "llama_bf16_budget0": ("llama", ["export.device_memory_budget=0", "export.dtype=bfloat16"]),
         "llama_staged": ("llama", [budget, "export.dtype=bfloat16"]),  # through a reused staging buffer
-        "llama_chunks": ("llama", [budget]),  # 4 KB chunks: a tensor is many views at growing offsets
+        "llama_chunks": ("llama", [budget]),  # 4 KB staged chunks: a tensor is many views at growing offsets
         "tied": ("tied", [budget]),
         "lora": ("lora", [budget, "export.peft_adapter=inside"]),
         "no_transpose": ("llama", [budget, "export.dtype=bfloat16"]),  # contiguous refused on the device
         "llama_async": ("llama", [budget, "export.async_write=true"]),  # device -> the staging ring, once
+        "slow_transposes": ("llama", [budget, "export.async_write=true"]),  # contiguous slower than the copies
     }
     report = {"framework": ns.framework, "cases": {}}
     from paddle_fullparam_callbacks.assemble import device
@@ -168,14 +183,21 @@ def main() -> int:
     device.DeviceBoundary.staging_buffer = counting
     for case, (model_name, overrides) in cases.items():
         model = models[model_name]
-        device.DEFAULT_STAGING = "host" if case == "llama_staged" else "auto"
+        device.DEFAULT_STAGING = "host" if case in ("llama_staged", "llama_chunks") else "auto"
         device.CHUNK_BYTES = 4096 if case in ("llama_staged", "llama_chunks") else 16 * 2**20
+        device.TIMED_BYTES = 1 if case == "slow_transposes" else 8 * 2**20  # the verdict on the second weight
         real_contiguous = paddle.Tensor.contiguous
         if case == "no_transpose":
             def refused(self):
                 raise RuntimeError("(NotFound) The kernel `contiguous` is not registered (test)")
 
             paddle.Tensor.contiguous = refused
+        elif case == "slow_transposes":
+            def slow(self, real=real_contiguous):
+                time.sleep(0.005)
+                return real(self)
+
+            paddle.Tensor.contiguous = slow
         runs = {}
         for where in ("device", "mixed", "cpu"):
             place(model, where)

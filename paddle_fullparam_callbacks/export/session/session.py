@@ -221,7 +221,8 @@ class ExportSession:
         # merge's source would hold ring room while its result waits for some)
         direct = ctx.mesh.size == 1 and not job.source.local_transforms
         boundary = job.device = DeviceBoundary(self.config.export.device_budget,
-                                               host_alloc=job.exporter.host_alloc() if direct else None)
+                                               host_alloc=job.exporter.host_alloc() if direct else None,
+                                               background=self.config.export.async_write and job.exporter.writes_files)
         try:
             job.exporter.begin(p.plan, job.staging, job.step, my_files)
             with ctx.waiting("assembly", ctx.mesh_ranks):  # export.timeout_s: no tensor for that long ends the job
