@@ -35,6 +35,10 @@ if [ ! -f "$dir/.complete" ] || stale; then
     pipq() { "$dir/bin/python" -m pip "$@" -q 2> >(grep -v "^WARNING: Location" >&2); }
     pipq install --upgrade pip
     pipq install -r "$req"
+    # a pin file's '# uninstall: A B' line: packages its pins pull in that break the environment (part of the
+    # file, so of its hash)
+    drop=$(sed -n 's/^# uninstall: *//p' "$req" | tr '\n' ' ')
+    if [ -n "${drop// /}" ]; then pipq uninstall -y $drop; fi
     touch "$dir/.complete"
   elif stale; then
     echo "env.sh: removing the install of paddle-fullparam-callbacks from environment '$name'" >&2
