@@ -1,4 +1,4 @@
-"""``paddle-fullparam``: demo | verify | convert | evaluate | publish | plan | selfcheck | recipes | run."""
+"""``paddle-fullparam``: demo | verify | convert | evaluate | publish | serve | plan | selfcheck | recipes | run."""
 from __future__ import annotations
 
 import argparse
@@ -7,11 +7,13 @@ import os
 import sys
 from typing import List, Optional
 
+from .consumers import add_consumer_commands
+
 DESCRIPTION = (
     "Full-parameter Hugging Face snapshots of PaddlePaddle training jobs. "
     "demo: train a tiny model on CPU with the callback and list its snapshots; verify: check snapshots; "
     "convert: an HF snapshot from a trainer checkpoint on disk; evaluate: run the evaluation hook on snapshots; "
-    "publish: copy snapshots to object storage (s3://); "
+    "publish: copy snapshots to object storage (s3://); serve: switch running serving engines (vLLM) to a snapshot; "
     "plan: show how a hybrid-parallel job would assemble and write a snapshot; recipes: list the bundled recipes; "
     "run: run a training command (paddleformers-cli train, a launcher, a script) with snapshots switched on, no code."
 )
@@ -99,31 +101,6 @@ def _verify_s3(ns, urls, emit) -> int:
     ok = all(r["ok"] for r in reports)
     emit({"ok": ok, "snapshots": reports}, lines())
     return 0 if ok else 1
-
-
-def _cmd_publish(ns) -> int:
-    """Exit 0 if every publication run or settled now is ok, 1 otherwise, 2 for usage, recipe or store errors."""
-    import logging
-
-    from ..config.recipes import load_config
-    from ..export.commit.lock import OutputDirLocked
-    from ..consumers.publish.offline import publish_path
-    from ..consumers.publish.probe import ProbeFailed
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    config = load_config(ns.recipe, list(ns.overrides or []) + ([f"publish.url={ns.to}"] if ns.to else []))
-    try:
-        done = publish_path(ns.output_dir, config, redo_all=ns.all)
-    except (FileNotFoundError, OutputDirLocked, ProbeFailed) as e:
-        print(f"paddle-fullparam publish: {e}", file=sys.stderr)
-        return 2
-    for pub in done:
-        entry = pub.entry or {}
-        result = entry.get("result") or {}
-        what = (f"{result.get('url', '')} {result.get('bytes', 0) / 1e6:.1f} MB" if pub.status == "ok"
-                else str(entry.get("error")))
-        print(f"{pub.name:<20} step {pub.step:>7}  {pub.status:<10} {what}")
-    return 0 if all(p.status == "ok" for p in done) else 1
 
 
 def _cmd_recipes(ns) -> int:
@@ -258,31 +235,6 @@ def _cmd_convert(ns) -> int:
     return 0
 
 
-def _cmd_evaluate(ns) -> int:
-    """Exit 0 if every evaluation run or settled now is ok, 1 otherwise, 2 for usage or recipe errors."""
-    import logging
-
-    from ..config.recipes import load_config
-    from ..consumers.evaluate.offline import evaluate_path
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    config = load_config(ns.recipe, ns.overrides)
-    redo = "all" if ns.all else "failed" if ns.failed else "missing"
-    try:
-        done = evaluate_path(ns.path, config, redo=redo)
-    except FileNotFoundError as e:
-        print(f"paddle-fullparam evaluate: {e}", file=sys.stderr)
-        return 2
-    for ev in done:
-        record = ev.record or {}
-        if ev.status == "ok":
-            what = ", ".join(f"{k}={v:.6g}" for k, v in list(ev.scores.items())[:8]) or "no numeric score"
-        else:
-            what = str(record.get("error"))
-        print(f"{ev.name:<20} step {ev.step:>7}  {ev.status:<10} {what}")
-    return 0 if all(ev.status == "ok" for ev in done) else 1
-
-
 def _cmd_demo(ns) -> int:
     from .demo import run_demo
 
@@ -339,28 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP + "; e.g. export.dtype=bfloat16")
     c.set_defaults(func=_cmd_convert)
 
-    text = ("run the evaluation hook (evaluate.command or evaluate.callable of a recipe) on a snapshot, or on the "
-            "snapshots of an output directory that lack a result")
-    e = sub.add_parser("evaluate", help=text, description=text + "; exit 0 if all are ok, 1 if any failed, 2 for usage.")
-    e.add_argument("path", metavar="SNAPSHOT|OUTPUT_DIR", help="a snapshot directory or an output directory")
-    e.add_argument("--recipe", help="a bundled recipe name or YAML path with an evaluate section (e.g. "
-                                    "evaluate_each_snapshot)")
-    e.add_argument("--failed", action="store_true", help="also run again the evaluations that failed or timed out")
-    e.add_argument("--all", action="store_true", help="evaluate every snapshot again")
-    e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP + "; e.g. evaluate.python=$PFC_HF_PYTHON")
-    e.set_defaults(func=_cmd_evaluate)
-
-    text = ("publish the snapshots of an output directory that are not published yet (or whose publication an "
-            "earlier job left unfinished) to object storage, with the engine the training job uses")
-    pu = sub.add_parser("publish", help=text, description=text + "; exit 0 if all are ok, 1 if any failed, 2 for usage "
-                                                                 "or when the store cannot be used.")
-    pu.add_argument("output_dir", metavar="OUTPUT_DIR", help="an output directory of snapshots")
-    pu.add_argument("--to", metavar="s3://BUCKET/PREFIX", help="the destination (publish.url); credentials and endpoint "
-                                                               "from the AWS chain (AWS_* variables, ~/.aws)")
-    pu.add_argument("--recipe", help="a bundled recipe name or YAML path with a publish section")
-    pu.add_argument("--all", action="store_true", help="publish every snapshot again, published ones included")
-    pu.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP + "; e.g. publish.endpoint_url=...")
-    pu.set_defaults(func=_cmd_publish)
+    add_consumer_commands(sub, OVERRIDES_HELP)
 
     text = ("print the meshes and writers of a hybrid-parallel topology, and with --model the bytes each rank will "
             "write, receive and send (nothing is launched)")

@@ -5,12 +5,10 @@ the store itself is proven at the start of training (``consumers/publish/probe.p
 """
 from __future__ import annotations
 
-import math
 import re
-import shlex
-import string
 from typing import Any, Optional, Tuple
 
+from .rules import check_template, number_problem
 from .sizes import parse_size
 
 Problem = Optional[Tuple[str, str]]
@@ -93,7 +91,7 @@ def _publish_problem(p) -> Problem:
                                             ("keep_last", 0, True, False, None), ("keep_best", 0, True, False, None),
                                             ("timeout_s", 0, False, True, None), ("wait_at_end_s", 0, False, False, None),
                                             ("nice", 0, True, False, 19)):
-        problem = _number(f"publish.{key}", getattr(p, key), low, integer, strict, high)
+        problem = number_problem(f"publish.{key}", getattr(p, key), low, integer, strict, high)
         if problem:
             return problem
     for key in ("check_etag", "require_conditional_writes"):
@@ -116,33 +114,4 @@ def _against_problem(cfg) -> Problem:
         return ("publish.url" if pub.url else "publish.command"), "export.format=callable writes no snapshot to publish"
     if pub.keep_best and not cfg.retention.metric:
         return "publish.keep_best", "needs retention.metric (e.g. eval_loss) to rank snapshots by"
-    return None
-
-
-def _number(key: str, value: Any, low: float, integer: bool, strict: bool, high: Optional[float]) -> Problem:
-    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
-    ok = ok and math.isfinite(value) and (value > low if strict else value >= low) and (high is None or value <= high)
-    if ok:
-        return None
-    bound = f"{'>' if strict else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
-    return key, f"must be {'a whole number' if integer else 'a number'} {bound}; got {value!r}"
-
-
-def check_template(key: str, text: Any, fields: tuple, example: str) -> Problem:
-    """A command line with ``{field}`` placeholders: it splits into words and names only ``fields``."""
-    try:
-        words = shlex.split(text) if isinstance(text, str) else []
-    except ValueError as e:
-        return key, f"does not split into words ({e}); got {text!r}"
-    if not words:
-        return key, f"is empty; give a command line such as {example} (or leave it null); got {text!r}"
-    for word in words:
-        try:
-            found = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(word) if f is not None]
-        except ValueError as e:
-            return key, f"{word!r}: {e} (write a literal brace as {{{{ or }}}})"
-        for f, spec, conv in found:
-            if f not in fields or spec or conv:
-                return key, (f"{word!r}: unknown field {{{f}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}; "
-                             "the command may use " + ", ".join("{" + n + "}" for n in fields))
     return None

@@ -12,8 +12,10 @@ from typing import Any, Optional
 
 from .. import _dtypes
 from ..plan.naming import validate_template
-from .evaluating import command_problem
-from .publishing import check_against, check_publish
+from .consumers import EvaluateConfig, PublishConfig, ServeConfig
+from .errors import ConfigError, check_choice as _check_choice
+from .publishing import check_against
+from .serving import VERIFY_ALLOWANCE_S, swap_bound_s
 from .sizes import AUTO, parse_size, pending_budget
 
 EXPORT_FORMATS = ("hf_safetensors", "paddle_safetensors", "callable")
@@ -21,23 +23,6 @@ ASSEMBLERS = ("builtin", "paddle")
 ON_ERROR = ("warn", "raise")
 LORA_MODES = ("merge", "base")
 PEFT_ADAPTER = ("none", "inside")
-
-
-class ConfigError(ValueError):
-    """A recipe or config value is wrong; ``key`` is the dotted recipe key."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        super().__init__(f"{key}: {message}")
-
-
-def _check_choice(key: str, value: Any, choices: tuple) -> None:
-    # `on_error: NO` in YAML is the boolean false, not the text "NO" (omegaconf hands a text field 'False')
-    if isinstance(value, bool) or (value in ("True", "False") and value not in choices):
-        raise ConfigError(key, f"must be one of {', '.join(choices)}; got the YAML boolean {str(value).lower()} "
-                               "(unquoted yes/no/on/off/true/false are booleans in YAML)")
-    if value not in choices:
-        raise ConfigError(key, f"must be one of {', '.join(choices)}; got {value!r}")
 
 
 def _check_size(key: str, value: Any, allow_zero: bool = False, parse=parse_size) -> int:
@@ -284,124 +269,9 @@ class CheckpointHookConfig:
             raise ConfigError("checkpoint_hook.subdir", f"must be one plain directory name; got {self.subdir!r}")
 
 
-# ---- issue 21: the evaluation hook ---------------------------------------------------------------
+# ---- the evaluation hook's scores as the tracked metric -------------------------------------------
 EVALUATE_METRIC_PREFIX = "evaluate."
 """``retention.metric: evaluate.<key>`` follows the score ``<key>`` of the evaluation hook."""
-
-
-def _check_number(key: str, value: Any, low: float, *, integer: bool = False, strict: bool = False,
-                  high: Optional[float] = None) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
-    ok = ok and math.isfinite(value) and (value > low if strict else value >= low) and (high is None or value <= high)
-    if not ok:
-        what = "a whole number" if integer else "a number of seconds"
-        bound = f"{'>' if strict else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
-        raise ConfigError(key, f"must be {what} {bound}; got {value!r}")
-
-
-@dataclass
-class EvaluateConfig:
-    """Score committed snapshots with an evaluator in a separate process while training goes on."""
-
-    command: Optional[str] = None
-    """A command line run once per evaluated snapshot, split like a shell would (no shell features:
-    pipes and redirections need an explicit `sh -c '...'`), with {snapshot} (its absolute path), {step},
-    {output} (a file for its JSON result) and {python} (evaluate.python) filled in. Its result: a JSON
-    object written to {output}, or else its last line on stdout."""
-    callable: Optional[str] = None
-    """'package.module:function' instead of a command, run in a separate process of evaluate.python as
-    fn(snapshot=..., step=..., output=...); it returns the result (a dict) or writes it to output."""
-    python: Optional[str] = None
-    """The interpreter of {python} and of evaluate.callable (the evaluator may need another environment
-    than training): a path, a command on PATH, or $NAME, an environment variable holding one (read when
-    the job starts). null: this job's own interpreter."""
-    every: int = 1
-    """Evaluate every k-th committed snapshot of the job (1: each one); 0: none by count (evaluate.last)."""
-    last: bool = True
-    """Also evaluate the last snapshot committed by the training, whatever evaluate.every says."""
-    max_concurrent: int = 1
-    """Evaluations running at once; the others wait in line (their snapshots are kept meanwhile)."""
-    timeout_s: float = 3600.0
-    """An evaluation running longer is stopped (its process group: SIGTERM, then SIGKILL) and recorded as timed out."""
-    wait_at_end_s: float = 600.0
-    """At the end of training, wait this long for evaluations still running or waiting; the rest is
-    stopped and recorded as unfinished (`paddle-fullparam evaluate` runs them later)."""
-    nice: int = 10
-    """CPU priority of the evaluator (os.nice increment, 0-19): it yields the CPU to training."""
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.command or self.callable)
-
-    def __post_init__(self):
-        if self.command is not None and self.callable is not None:
-            raise ConfigError("evaluate.callable", "is set together with evaluate.command: give one of them")
-        if self.command is not None:
-            problem = command_problem(self.command)
-            if problem:
-                raise ConfigError("evaluate.command", problem)
-        if self.callable is not None:
-            module, _, fn = str(self.callable).partition(":")
-            if not module.strip() or not fn.strip():
-                raise ConfigError("evaluate.callable", f"must be 'package.module:function'; got {self.callable!r}")
-        py = self.python
-        if py is not None:
-            if not isinstance(py, str) or not py.strip():
-                raise ConfigError("evaluate.python", f"must be an interpreter path, a command or $NAME (or null); got {py!r}")
-            if py.startswith("$") and not py[1:].replace("_", "a").isalnum():
-                raise ConfigError("evaluate.python", f"{py!r}: $NAME must name an environment variable (letters, digits, _)")
-        _check_number("evaluate.every", self.every, 0, integer=True)
-        _check_number("evaluate.max_concurrent", self.max_concurrent, 1, integer=True)
-        _check_number("evaluate.timeout_s", self.timeout_s, 0, strict=True)
-        _check_number("evaluate.wait_at_end_s", self.wait_at_end_s, 0)
-        _check_number("evaluate.nice", self.nice, 0, integer=True, high=19)
-        if self.enabled and not self.every and not self.last:
-            raise ConfigError("evaluate.every", "is 0 and evaluate.last is false: no snapshot would be evaluated; "
-                                                "set evaluate.every=1 (each snapshot) or evaluate.last=true")
-
-@dataclass
-class PublishConfig:
-    """Copy each committed snapshot to object storage (url), or run a command on it, in a separate process."""
-
-    url: Optional[str] = None
-    """s3://bucket/prefix (snapshots at <prefix>/<name>/); credentials from the AWS chain, as boto3 reads it."""
-    command: Optional[str] = None
-    """Instead of url: a command per snapshot, with {snapshot}, {name}, {step}, {output}, {python} filled in."""
-    endpoint_url: Optional[str] = None
-    """http(s)://host[:port] of an S3-compatible store (MinIO, Ceph RGW, BOS, OSS); null: the AWS chain's."""
-    region: Optional[str] = None
-    """The store's region; null: the AWS chain's (AWS_REGION, ~/.aws/config)."""
-    part_size: str = "64MB"
-    """Multipart part size, 5MiB to 5GiB (raised for a file that would need over 10,000 parts); smaller files: one PUT."""
-    concurrency: int = 4
-    """Parts uploaded at once; lowered so that (concurrency + 1) parts fit in max_memory."""
-    max_memory: str = "512MB"
-    """Host memory for parts read and in flight (at least two parts)."""
-    retries: int = 5
-    """Retries of a request the store throttled (SlowDown, 503) or failed (5xx, dropped connection)."""
-    retry_backoff_s: float = 0.5
-    """The first retry's wait, doubled at each next one (at most 30 s), with jitter."""
-    check_etag: bool = True
-    """Compare the store's ETags with the local MD5s after upload (false where ETags are no MD5: SSE-KMS)."""
-    require_conditional_writes: bool = True
-    """The start proves the store honours If-None-Match and If-Match; false: such a store is used with a warning."""
-    keep_last: int = 0
-    """Remote retention: this run's newest N published snapshots stay (0: all). Remote latest and best stay."""
-    keep_best: int = 0
-    """Remote retention: the N best by retention.metric stay (0: no limit by metric)."""
-    timeout_s: float = 21600.0
-    """One snapshot's publication running longer is stopped and recorded as failed."""
-    wait_at_end_s: float = 600.0
-    """At the end of training, wait this long for publications; the rest is recorded as unfinished."""
-    nice: int = 10
-    """CPU priority of the publishing process (os.nice increment, 0-19)."""
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.url or self.command)
-
-    def __post_init__(self):
-        check_publish(self, ConfigError)
 
 
 @dataclass
@@ -420,6 +290,8 @@ class FullParamConfig:
     """Score each committed snapshot with an evaluator in a separate process (issue 21)."""
     publish: PublishConfig = field(default_factory=PublishConfig)
     """Copy each committed snapshot to object storage, or run a command on it (issue 26)."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """Switch running serving engines to each committed snapshot (issue 39)."""
     assembler: str = "builtin"
     """builtin (this package's assembler) | paddle (Paddle's own full_param, for cross-checking)."""
     on_error: str = "warn"
@@ -438,6 +310,19 @@ class FullParamConfig:
             raise ConfigError("export.aoa", "paddle_safetensors keeps Paddle names: leave export.aoa at 'auto'")
         self._check_evaluate()
         check_against(self, ConfigError)
+        self._check_serve()
+
+    def _check_serve(self) -> None:
+        serve, timeout = self.serve, self.export.timeout_s
+        if serve.enabled and self.export.format == "callable":
+            raise ConfigError("serve.url", "export.format=callable writes no snapshot to serve")
+        bound = swap_bound_s(serve.timeout_s, serve.reload_timeout_s) + VERIFY_ALLOWANCE_S
+        if serve.enabled and serve.wait and timeout is not None and bound > timeout:
+            raise ConfigError("serve.wait", f"waits up to {bound:g} s for a swap (2 x (serve.reload_timeout_s + "
+                                            f"serve.timeout_s) + 6 x serve.timeout_s, and {VERIFY_ALLOWANCE_S:g} s to "
+                                            f"verify the snapshot), more than export.timeout_s={timeout:g}, after "
+                                            "which the other ranks' watchdog stops a job that waits: raise "
+                                            "export.timeout_s or lower serve.reload_timeout_s")
 
     def _check_evaluate(self) -> None:
         metric = self.retention.metric

@@ -91,6 +91,8 @@ class ConsumerHook:
     WORKDIR = ".fullparam-consumer"  # the marked work folder in the snapshot (spec, the runner's status)
     LOG = "fullparam_consumer.log"  # the program's output, beside the snapshot's record
     POLL_S = 1.0  # how often an adopted runner (an earlier job's, not our child) is looked at
+    STOP_RUNNING = True  # at the end, stop what still runs after the wait (False: let it end by its own bounds)
+    DONE = STATUS  # the file in the work folder that says a job's process has ended
 
     def __init__(self, cfg, run_id: str, workers: int = 1):
         """``cfg`` has the consumer's ``timeout_s`` and ``nice``; ``workers`` jobs run at a time."""
@@ -201,6 +203,11 @@ class ConsumerHook:
             if job.of_snapshot:
                 job.record = self._unstarted(job, wait_s)
                 self._done.put(job)
+        if not self.STOP_RUNNING:  # bounded by their own timeouts (the runner's, and the backstop beyond it)
+            with self._cond:
+                while self._running:
+                    self._cond.wait()
+            return
         for job in running:
             if job.of_snapshot:
                 job.stopped_after_s = wait_s
@@ -274,15 +281,18 @@ class ConsumerHook:
         running, work = job.running or {}, job.path / self.WORKDIR
         started = running.get("started_unix") if isinstance(running.get("started_unix"), (int, float)) else time.time()
         deadline = started + float(running.get("timeout_s") or self.cfg.timeout_s) + BACKSTOP_S
-        while self.alive(running, work) and not (work / STATUS).exists():
+        while self.alive(running, work) and not (work / self.DONE).exists():
             if time.time() > deadline:
                 self._signal(job, signal.SIGKILL)
                 break
+            if self._closing.is_set() and not self.STOP_RUNNING:
+                time.sleep(self.POLL_S)  # watched until it ends, within its deadline
+                continue
             if self._closing.wait(self.POLL_S):
                 job.stopped_after_s = self._waited_s
                 self._signal(job, signal.SIGTERM)
                 end = time.monotonic() + KILL_GRACE_S + 2
-                while self.alive(running, work) and not (work / STATUS).exists() and time.monotonic() < end:
+                while self.alive(running, work) and not (work / self.DONE).exists() and time.monotonic() < end:
                     time.sleep(0.1)
                 break
         self._finalize(job)
@@ -322,11 +332,12 @@ def not_recordable(record: dict, path: Path, running: dict, verb: str) -> bool:
     return True
 
 
-def settle_left(job: Job, work: Path, alive: Callable[[dict, Path], bool], finalize: Callable[[], dict]) -> bool:
+def settle_left(job: Job, work: Path, alive: Callable[[dict, Path], bool], finalize: Callable[[], dict],
+                done: str = STATUS) -> bool:
     """The recovery's entry point for a job an earlier process left ``running`` (``job.running``): True
-    when its runner still works on ``work`` (no status yet): ``job.adopted``, for a hook to watch; else
+    when its runner still works on ``work`` (no ``done`` file yet): ``job.adopted``, for a hook to watch; else
     False, with its final record (``job.record``) from ``finalize``, which records what the runner left."""
-    if alive(job.running or {}, work) and not (work / STATUS).exists():
+    if alive(job.running or {}, work) and not (work / done).exists():
         job.adopted = True
         return True
     job.record = finalize()

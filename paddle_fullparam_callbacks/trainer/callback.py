@@ -29,6 +29,7 @@ from ..models.model_info import build_model_source, unwrap_model
 from ..plan.decisions import Decision, decide
 from .evaluation import TrainerEvaluations
 from .publishing import TrainerPublishing
+from .serving import TrainerServing
 from .paths import check_trainer_paths
 from .topology import build_context, expert_axes_of
 
@@ -72,6 +73,8 @@ class FullParamExportCallback:
         self._source = None
         self.evaluation = TrainerEvaluations(self.config)  # the evaluation hook's results: .results
         self.publishing = TrainerPublishing(self.config)  # the publisher's results: .results
+        self.serving = TrainerServing(self.config)  # the engines' swaps: .results
+        self._consumers = (self.evaluation, self.publishing, self.serving)  # in the order they hang on commits
 
     @classmethod
     def from_recipe(cls, recipe, overrides: Iterable[str] = (), **kwargs) -> "FullParamExportCallback":
@@ -114,22 +117,28 @@ class FullParamExportCallback:
         session.start(resume=bool(getattr(state, "global_step", 0)), shared=shared)
         try:
             self._source = build_model_source(model, self.config, tokenizer, warn_no_tokenizer=warn)
-            session.prepare(self._source)
+            prepared = session.prepare(self._source)
+            self.serving.check(ctx, self._source, prepared)  # every engine proven, against the plan's tensors
         except BaseException:  # refused at start: the directory is released (and removed, if it made it)
             session.close()
             raise
         self.session = session
         self.evaluation.start(session, trainer_dir)
         self.publishing.start(session)
+        self.serving.start(session)
 
     # ---- events ----------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, tokenizer=None, **kwargs):
         if self.config.enabled and model is not None:
             self._setup(args, state, model, tokenizer if tokenizer is not None else kwargs.get("processing_class"))
 
+    def _drain(self, state) -> None:
+        """Finished evaluations, publications and swaps (the coordinator's; no collective)."""
+        for consumer in self._consumers:
+            consumer.drain(self.session, state, self.trainer)
+
     def on_step_end(self, args, state, control, **kwargs):
-        self.evaluation.drain(self.session, state, self.trainer)  # finished evaluations (coordinator; no collective)
-        self.publishing.drain(self.session, state, self.trainer)  # finished publications (coordinator; no collective)
+        self._drain(state)
         n = self.config.trigger.every_n_steps
         if n and state.global_step > 0 and state.global_step % n == 0:
             self._event(args, state, kwargs, "every_n_steps")
@@ -141,8 +150,7 @@ class FullParamExportCallback:
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         metrics = dict(metrics or {})
-        self.evaluation.drain(self.session, state, self.trainer)
-        self.publishing.drain(self.session, state, self.trainer)
+        self._drain(state)
         if self.config.trigger.on_evaluate or self._trainer_metric:
             self._event(args, state, kwargs, "evaluate", metrics)
 
@@ -150,8 +158,8 @@ class FullParamExportCallback:
         if self.config.trigger.on_train_end:
             self._event(args, state, kwargs, "train_end")
         self._finish_pending(state)
-        self.evaluation.finish(self.session, state, self.trainer)  # evaluate.last, then evaluate.wait_at_end_s
-        self.publishing.finish(self.session, state, self.trainer)  # publish.wait_at_end_s; the rest recorded unfinished
+        for consumer in self._consumers:  # each waits up to its wait_at_end_s; the rest is recorded
+            consumer.finish(self.session, state, self.trainer)
         if self.session is not None:
             # the output directory is this training's while it runs; a later train() (a resume in
             # the same process) sets up again
@@ -168,8 +176,10 @@ class FullParamExportCallback:
         ckpt = Path(args.output_dir) / f"checkpoint-{step}"
         self._finish_pending(state)
         self.events.append(f"checkpoint@{step}")
-        return self._run(lambda: self.session.export(self._source, step, reason="checkpoint", into=ckpt,
+        info = self._run(lambda: self.session.export(self._source, step, reason="checkpoint", into=ckpt,
                                                      name=self.config.checkpoint_hook.subdir), state)
+        self._wait_served(info, state, f"{ckpt.name}/{self.config.checkpoint_hook.subdir}")
+        return info
 
     # ---- decisions -------------------------------------------------------------------------
     @property
@@ -223,8 +233,18 @@ class FullParamExportCallback:
         tokenizer = kwargs.get("tokenizer") or kwargs.get("processing_class")
         if tokenizer is not None and not self.config.export.tokenizer:  # export.tokenizer's files win
             self._source.tokenizer = processors.with_processor(tokenizer, self.processing_class)
-        return self._run(lambda: self.session.export(self._source, step, metrics=metrics if reason == "evaluate" else None,
+        info = self._run(lambda: self.session.export(self._source, step, metrics=metrics if reason == "evaluate" else None,
                                                      reason=reason), state)
+        self._wait_served(info, state, info.name if info is not None else None)
+        return info
+
+    def _wait_served(self, info: Optional[SnapshotInfo], state, name: Optional[str]) -> None:
+        """``serve.wait``: the export returns once every engine serves it (a background export commits first)."""
+        if not (self.config.serve.enabled and self.config.serve.wait) or info is None:
+            return
+        if info.pending:
+            self._finish_pending(state)
+        self.serving.wait(self.session.ctx, name)
 
     def _run(self, export_fn, state) -> Optional[SnapshotInfo]:
         try:

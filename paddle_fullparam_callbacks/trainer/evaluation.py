@@ -11,31 +11,27 @@ ranks cannot diverge).
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import List, Optional
 
 from ..config.schema import ConfigError, FullParamConfig
 from ..export.commit.retention import list_snapshots
 from ..consumers.evaluate import Evaluation, EvaluationHook, recover, resolve_python
+from .consumers import TrainerConsumer, log_row, snapshot_label
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 PREFIX = "fullparam/eval/"
 
 
-class TrainerEvaluations:
+class TrainerEvaluations(TrainerConsumer):
     """What the callback keeps of the evaluation hook: the hook (coordinator) and every result."""
 
+    KEY, JOBS = "evaluate", "evaluation(s)"
+
     def __init__(self, config: FullParamConfig):
-        self.config = config
+        super().__init__(config)
         self.hook: Optional[EvaluationHook] = None
         self.python: Optional[List[str]] = None
-        self.results: List[Evaluation] = []  # every evaluation finished while this job ran (or settled at its start)
-        self.waited_s = 0.0  # how long the end of training waited for evaluations
-
-    @property
-    def enabled(self) -> bool:
-        return self.config.evaluate.enabled
 
     def check(self, ctx) -> None:
         """Every rank, before the session starts: the coordinator finds ``evaluate.python``; one exchange
@@ -57,15 +53,12 @@ class TrainerEvaluations:
         if not self.enabled or not session.ctx.is_coordinator or self.python is None:
             return
         hook = EvaluationHook(self.config.evaluate, self.python, run_id=session.run_id)
-        committer = session.committer
 
-        def committed(job) -> None:
+        def evaluation(job) -> None:
             path = Path(job.out_dir) / job.name
-            name = job.name if job.pointers else f"{path.parent.name}/{job.name}"
-            hook.committed(name, path, job.step, in_output_dir=job.pointers)
+            hook.committed(snapshot_label(job), path, job.step, in_output_dir=job.pointers)
 
-        committer.on_commit = committed
-        committer.busy = hook.busy
+        self.connect(session.committer, evaluation, hook.busy)
         settled, alive = recover(self._snapshots(session, trainer_dir), hook)
         for ev in settled:
             logger.info("evaluation of %s, left by an earlier job, recorded at this start: %s", ev.name, describe(ev))
@@ -94,8 +87,7 @@ class TrainerEvaluations:
         for ev in done:
             self.results.append(ev)
             self._log(ev, state, trainer)
-        if any(ev.in_output_dir for ev in done) and session is not None and session.is_open:
-            session.committer.after_commit(None)
+        self._after_drain(session, done, any(ev.in_output_dir for ev in done))
         return done
 
     def _log(self, ev: Evaluation, state, trainer) -> None:
@@ -107,25 +99,10 @@ class TrainerEvaluations:
                            ev.name, ev.step, ev.status, (ev.record or {}).get("error"), ev.path / "fullparam_eval.log")
             entry = {PREFIX + "failed": 1.0}
         entry[PREFIX + "snapshot_step"] = float(ev.step)
-        if trainer is not None and hasattr(trainer, "log"):
-            trainer.log(dict(entry))
-        elif state is not None and hasattr(state, "log_history"):
-            state.log_history.append({**entry, "step": getattr(state, "global_step", None)})
+        log_row(entry, state, trainer)
 
-    def finish(self, session, state, trainer=None) -> None:
-        """The end of training: the last snapshot (``evaluate.last``), then wait up to ``wait_at_end_s``."""
-        if self.hook is None:
-            return
-        self.hook.training_ended()
-        waiting = self.hook.pending()
-        if waiting:
-            logger.info("waiting up to %.0f s (evaluate.wait_at_end_s) for %d evaluation(s)",
-                        self.config.evaluate.wait_at_end_s, waiting)
-        t0 = time.perf_counter()
-        self.hook.close(self.config.evaluate.wait_at_end_s)
-        self.waited_s = time.perf_counter() - t0 if waiting else 0.0
-        self.drain(session, state, trainer)
-        self.hook = None
+    def _before_close(self, session, state, trainer) -> None:
+        self.hook.training_ended()  # evaluate.last: the last snapshot too
 
 
 def describe(ev: Evaluation) -> str:

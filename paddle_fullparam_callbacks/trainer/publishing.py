@@ -10,7 +10,6 @@ has moved to a snapshot the store already holds, the store's ``best`` follows.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -19,6 +18,7 @@ from ..export.commit.pointers import read_pointer
 from ..export.commit.retention import list_snapshots
 from ..consumers.publish.hook import Publication, PublishHook
 from ..consumers.publish.recovery import recover
+from .consumers import TrainerConsumer, log_row
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 
@@ -27,20 +27,16 @@ class PublishStartFailed(RuntimeError):
     """The store cannot be used (raised on every rank, before the first step)."""
 
 
-class TrainerPublishing:
+class TrainerPublishing(TrainerConsumer):
     """What the callback keeps of the publisher: the hook (coordinator) and every finished publication."""
 
-    def __init__(self, config: FullParamConfig):
-        self.config = config
-        self.hook: Optional[PublishHook] = None
-        self.results: List[Publication] = []
-        self.warnings: List[str] = []
-        self.waited_s = 0.0
-        self._best: Optional[str] = None
+    KEY, JOBS = "publish", "publication(s)"
 
-    @property
-    def enabled(self) -> bool:
-        return self.config.publish.enabled
+    def __init__(self, config: FullParamConfig):
+        super().__init__(config)
+        self.hook: Optional[PublishHook] = None
+        self.warnings: List[str] = []
+        self._best: Optional[str] = None
 
     def check(self, ctx) -> None:
         """Every rank, before the session starts: the coordinator probes the store; one exchange shares the outcome."""
@@ -68,20 +64,12 @@ class TrainerPublishing:
         if not self.enabled or not session.ctx.is_coordinator:
             return
         hook = PublishHook(self.config, session.output_dir, session.run_id)
-        committer = session.committer
-        before_commit, before_busy = committer.on_commit, committer.busy
 
-        def committed(job) -> None:
-            if before_commit is not None:
-                try:
-                    before_commit(job)
-                except Exception as e:  # the evaluation's trouble is not the publication's
-                    logger.warning("snapshot %s is committed, but its evaluation could not be queued: %s", job.name, e)
+        def publication(job) -> None:
             if job.pointers:  # the checkpoint hook's snapshots (checkpoint-N/hf) stay local
                 hook.committed(job.name, Path(job.out_dir) / job.name, job.step)
 
-        committer.on_commit = committed
-        committer.busy = lambda: set(before_busy()) | hook.busy()
+        self.connect(session.committer, publication, hook.busy)
         found = [(e.name, e.step, e.path, e.run) for e in list_snapshots(session.output_dir, session.pattern)]
         left = recover(hook, found, hook.destination, session.run_id)
         for pub in left["settled"]:
@@ -105,8 +93,7 @@ class TrainerPublishing:
                 continue
             self.results.append(pub)
             self._log(pub, state, trainer)
-        if session is not None and session.is_open and any(p.kind == "snapshot" for p in done):
-            session.committer.after_commit(None)  # snapshots kept only for their publication may go now
+        self._after_drain(session, done, any(p.kind == "snapshot" for p in done))
         if session is not None and session.is_open:
             best = read_pointer(session.output_dir, "best")
             if best != self._best:
@@ -125,22 +112,7 @@ class TrainerPublishing:
             logger.warning("publication of %s (step %d) %s: %s (log: %s); training continues, the snapshot stays",
                            pub.name, pub.step, pub.status, entry.get("error"), pub.path / "fullparam_publish.log")
             row = {f"fullparam/publish/{pub.status}": float(pub.step)}
-        if trainer is not None and hasattr(trainer, "log"):
-            trainer.log(row)
-        elif state is not None and hasattr(state, "log_history"):
-            state.log_history.append({**row, "step": getattr(state, "global_step", None)})
+        log_row(row, state, trainer)
 
-    def finish(self, session, state, trainer=None) -> None:
-        """The end of training: wait up to ``publish.wait_at_end_s``; record what is left as unfinished."""
-        if self.hook is None:
-            return
+    def _before_close(self, session, state, trainer) -> None:
         self.drain(session, state, trainer)  # the last evaluations may have moved best
-        waiting = self.hook.pending()
-        if waiting:
-            logger.info("waiting up to %.0f s (publish.wait_at_end_s) for %d publication(s)",
-                        self.config.publish.wait_at_end_s, waiting)
-        t0 = time.perf_counter()
-        self.hook.close(self.config.publish.wait_at_end_s)
-        self.waited_s = time.perf_counter() - t0 if waiting else 0.0
-        self.drain(session, state, trainer)  # and retention, now that nothing is kept for its publication
-        self.hook = None

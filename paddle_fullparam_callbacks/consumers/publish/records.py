@@ -16,45 +16,25 @@ evaluation record; only the coordinator (holding the output directory's lock) wr
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
-from ...export.write.fsync import remove_tmp_files, replace_json_durable
+from ..records import KeyedRecord
 
 RECORD = "fullparam_publish.json"
 LOG = "fullparam_publish.log"
 WORKDIR = ".fullparam-publish"
-RECORD_TMP = ".fullparam_publish.json.tmp-"
-VERSION = 1
 RUNNING, OK, FAILED, SKIPPED, UNFINISHED = "running", "ok", "failed", "skipped", "unfinished"
 STATUSES = (RUNNING, OK, FAILED, SKIPPED, UNFINISHED)
-MAX_BYTES = 2_000_000
-
-
-def read_all(snapshot: "str | Path") -> dict:
-    """{destination: entry} of ``snapshot`` ({} if none, unreadable, or not this package's)."""
-    path = Path(snapshot) / RECORD
-    try:
-        if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_BYTES:
-            return {}
-        obj = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}
-    if not isinstance(obj, dict) or obj.get("publish_version") is None or not isinstance(obj.get("destinations"), dict):
-        return {}
-    return {k: v for k, v in obj["destinations"].items() if isinstance(v, dict) and v.get("status") in STATUSES}
+_RECORD = KeyedRecord(RECORD, "publish_version", "destinations", STATUSES)
+RECORD_TMP = _RECORD.tmp
+read_all, remove_leftover_tmp = _RECORD.read_all, _RECORD.remove_leftover_tmp
 
 
 def read(snapshot: "str | Path", destination: str) -> Optional[dict]:
-    return read_all(snapshot).get(destination)
+    return _RECORD.read(snapshot, destination)
 
 
 def write(snapshot: "str | Path", destination: str, entry: dict) -> None:
     """Replace ``destination``'s entry atomically (the others are kept)."""
-    destinations = {**read_all(snapshot), destination: entry}
-    replace_json_durable(Path(snapshot), RECORD, RECORD_TMP, {"publish_version": VERSION, "destinations": destinations})
-
-
-def remove_leftover_tmp(snapshot: "str | Path") -> None:
-    remove_tmp_files(Path(snapshot), RECORD_TMP)
+    _RECORD.write(snapshot, {destination: entry})

@@ -5,21 +5,11 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from ..records import read_json as _json
 from . import records
 
 LOG_TAIL_BYTES = 2000
-MAX_RESULT_BYTES = 1_000_000
 NEXT = "the next start, or `paddle-fullparam publish`, finishes it"
-
-
-def _json(path: Path) -> Optional[dict]:
-    try:
-        if not path.is_file() or path.is_symlink() or path.stat().st_size > MAX_RESULT_BYTES:
-            return None
-        obj = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def log_tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:

@@ -1,0 +1,157 @@
+"""The sections of the consumers of committed snapshots: ``evaluate`` (issue 21), ``publish`` (issue 26) and
+``serve`` (issue 39), each validated on construction; ``schema.FullParamConfig`` composes them and checks
+them against the rest of the recipe."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .errors import ConfigError, check_number as _check_number
+from .evaluating import command_problem
+from .publishing import check_publish
+from .serving import check_serve
+
+
+@dataclass
+class EvaluateConfig:
+    """Score committed snapshots with an evaluator in a separate process while training goes on."""
+
+    command: Optional[str] = None
+    """A command line run once per evaluated snapshot, split like a shell would (no shell features:
+    pipes and redirections need an explicit `sh -c '...'`), with {snapshot} (its absolute path), {step},
+    {output} (a file for its JSON result) and {python} (evaluate.python) filled in. Its result: a JSON
+    object written to {output}, or else its last line on stdout."""
+    callable: Optional[str] = None
+    """'package.module:function' instead of a command, run in a separate process of evaluate.python as
+    fn(snapshot=..., step=..., output=...); it returns the result (a dict) or writes it to output."""
+    python: Optional[str] = None
+    """The interpreter of {python} and of evaluate.callable (the evaluator may need another environment
+    than training): a path, a command on PATH, or $NAME, an environment variable holding one (read when
+    the job starts). null: this job's own interpreter."""
+    every: int = 1
+    """Evaluate every k-th committed snapshot of the job (1: each one); 0: none by count (evaluate.last)."""
+    last: bool = True
+    """Also evaluate the last snapshot committed by the training, whatever evaluate.every says."""
+    max_concurrent: int = 1
+    """Evaluations running at once; the others wait in line (their snapshots are kept meanwhile)."""
+    timeout_s: float = 3600.0
+    """An evaluation running longer is stopped (its process group: SIGTERM, then SIGKILL) and recorded as timed out."""
+    wait_at_end_s: float = 600.0
+    """At the end of training, wait this long for evaluations still running or waiting; the rest is
+    stopped and recorded as unfinished (`paddle-fullparam evaluate` runs them later)."""
+    nice: int = 10
+    """CPU priority of the evaluator (os.nice increment, 0-19): it yields the CPU to training."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.command or self.callable)
+
+    def __post_init__(self):
+        if self.command is not None and self.callable is not None:
+            raise ConfigError("evaluate.callable", "is set together with evaluate.command: give one of them")
+        if self.command is not None:
+            problem = command_problem(self.command)
+            if problem:
+                raise ConfigError("evaluate.command", problem)
+        if self.callable is not None:
+            module, _, fn = str(self.callable).partition(":")
+            if not module.strip() or not fn.strip():
+                raise ConfigError("evaluate.callable", f"must be 'package.module:function'; got {self.callable!r}")
+        py = self.python
+        if py is not None:
+            if not isinstance(py, str) or not py.strip():
+                raise ConfigError("evaluate.python", f"must be an interpreter path, a command or $NAME (or null); got {py!r}")
+            if py.startswith("$") and not py[1:].replace("_", "a").isalnum():
+                raise ConfigError("evaluate.python", f"{py!r}: $NAME must name an environment variable (letters, digits, _)")
+        _check_number("evaluate.every", self.every, 0, integer=True)
+        _check_number("evaluate.max_concurrent", self.max_concurrent, 1, integer=True)
+        _check_number("evaluate.timeout_s", self.timeout_s, 0, strict=True)
+        _check_number("evaluate.wait_at_end_s", self.wait_at_end_s, 0)
+        _check_number("evaluate.nice", self.nice, 0, integer=True, high=19)
+        if self.enabled and not self.every and not self.last:
+            raise ConfigError("evaluate.every", "is 0 and evaluate.last is false: no snapshot would be evaluated; "
+                                                "set evaluate.every=1 (each snapshot) or evaluate.last=true")
+
+@dataclass
+class PublishConfig:
+    """Copy each committed snapshot to object storage (url), or run a command on it, in a separate process."""
+
+    url: Optional[str] = None
+    """s3://bucket/prefix (snapshots at <prefix>/<name>/); credentials from the AWS chain, as boto3 reads it."""
+    command: Optional[str] = None
+    """Instead of url: a command per snapshot, with {snapshot}, {name}, {step}, {output}, {python} filled in."""
+    endpoint_url: Optional[str] = None
+    """http(s)://host[:port] of an S3-compatible store (MinIO, Ceph RGW, BOS, OSS); null: the AWS chain's."""
+    region: Optional[str] = None
+    """The store's region; null: the AWS chain's (AWS_REGION, ~/.aws/config)."""
+    part_size: str = "64MB"
+    """Multipart part size, 5MiB to 5GiB (raised for a file that would need over 10,000 parts); smaller files: one PUT."""
+    concurrency: int = 4
+    """Parts uploaded at once; lowered so that (concurrency + 1) parts fit in max_memory."""
+    max_memory: str = "512MB"
+    """Host memory for parts read and in flight (at least two parts)."""
+    retries: int = 5
+    """Retries of a request the store throttled (SlowDown, 503) or failed (5xx, dropped connection)."""
+    retry_backoff_s: float = 0.5
+    """The first retry's wait, doubled at each next one (at most 30 s), with jitter."""
+    check_etag: bool = True
+    """Compare the store's ETags with the local MD5s after upload (false where ETags are no MD5: SSE-KMS)."""
+    require_conditional_writes: bool = True
+    """The start proves the store honours If-None-Match and If-Match; false: such a store is used with a warning."""
+    keep_last: int = 0
+    """Remote retention: this run's newest N published snapshots stay (0: all). Remote latest and best stay."""
+    keep_best: int = 0
+    """Remote retention: the N best by retention.metric stay (0: no limit by metric)."""
+    timeout_s: float = 21600.0
+    """One snapshot's publication running longer is stopped and recorded as failed."""
+    wait_at_end_s: float = 600.0
+    """At the end of training, wait this long for publications; the rest is recorded as unfinished."""
+    nice: int = 10
+    """CPU priority of the publishing process (os.nice increment, 0-19)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.url or self.command)
+
+    def __post_init__(self):
+        check_publish(self, ConfigError)
+
+
+@dataclass
+class ServeConfig:
+    """Switch running serving engines to each committed snapshot, with no restart (issue 39)."""
+
+    url: Any = None
+    """The base URL of a serving engine (http://host:8000), or a list of them: every replica. Each engine is
+    switched to every committed snapshot in place (pause, reload from disk, name, resume), requests kept."""
+    engine: str = "vllm"
+    """The engines' protocol: vllm (its dev-mode endpoints: start it with VLLM_SERVER_DEV_MODE=1)."""
+    path_template: str = "{snapshot}"
+    """The snapshot's path as the engines see it: {snapshot} (its absolute path here), {name}, {step}; e.g.
+    /models/{name} for engines on another node or in a container that mounts output_dir at /models."""
+    wait: bool = False
+    """true: an export returns only once every engine serves its snapshot (or failed to); false: training
+    never waits for the engines."""
+    api_key_env: Optional[str] = None
+    """The environment variable that holds the engines' API key (vLLM's --api-key), sent as a bearer token;
+    the key itself never goes in a recipe."""
+    timeout_s: float = 30.0
+    """Each call to an engine but the reload (pause, naming the weights, resume, the start's checks)."""
+    reload_timeout_s: float = 600.0
+    """An engine's reload of a snapshot's weights."""
+    check_model: bool = True
+    """At start, refuse a job whose snapshots do not fit the model an engine serves (architecture, tensor
+    names and shapes), read from the engine's model directory where it can be read here."""
+    wait_at_end_s: float = 600.0
+    """At the end of training, wait this long for the last snapshot to be served."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.url)
+
+    @property
+    def urls(self) -> list:
+        return list(self.url or [])
+
+    def __post_init__(self):
+        check_serve(self, ConfigError)
