@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from paddle_fullparam_callbacks.export import commit
@@ -13,32 +13,12 @@ from paddle_fullparam_callbacks.export.commit import ownership, retention
 from paddle_fullparam_callbacks.export.commit.manifest import describe_files
 from paddle_fullparam_callbacks.export.verify.snapshot import verify_snapshot
 from paddle_fullparam_callbacks.export.write import checksum
-from paddle_fullparam_callbacks.export.write.writer import SnapshotWriter
-from paddle_fullparam_callbacks.plan.export_plan import TensorSpec, build_export_plan
 from paddle_fullparam_callbacks.plan.naming import snapshot_step_pattern
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _snapshots import RUN, make_snapshot  # noqa: E402
+
 PATTERN = snapshot_step_pattern("hf-step-{step:06d}")
-
-
-RUN = "run-a"
-
-
-def make_snapshot(output_dir: Path, step: int, n: int = 6, shard: int = 200, run: str = RUN, seq=None) -> Path:
-    """A real committed snapshot: shards through the writer, index, manifest last, rename."""
-    specs = [TensorSpec(f"layers.{i}.w", (4, 8), "float32") for i in range(n)]
-    plan = build_export_plan(specs, shard)
-    staging = commit.new_staging_dir(output_dir, f"hf-step-{step:06d}", run)
-    w = SnapshotWriter(plan, staging)
-    for s in specs:
-        w.put(s.name, np.full(s.shape, step, np.float32))
-    files = {k: (v.bytes, v.digest) for k, v in w.close().items()}
-    commit.write_json_durable(staging / commit.INDEX, plan.index())
-    files.update(describe_files(staging, [commit.INDEX]))
-    manifest = {"manifest_version": 1, "step": step, "num_tensors": n, "created_unix": __import__("time").time(),
-                "run": {"id": run, "seq": step if seq is None else seq},
-                "files": {k: {"bytes": b, checksum.DEFAULT: h} for k, (b, h) in files.items()}}
-    commit.write_json_durable(staging / commit.MANIFEST, manifest)
-    return commit.commit_staging(staging, output_dir, f"hf-step-{step:06d}")
 
 
 def test_commit_refuses_a_staging_dir_without_manifest(tmp_path):

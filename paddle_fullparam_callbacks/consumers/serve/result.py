@@ -30,7 +30,7 @@ def final_entries(running: dict, urls: Iterable[str], targets: Dict[str, Target]
             out[url] = entry
             continue
         seconds = swap.get("seconds") if isinstance(swap.get("seconds"), dict) else {}
-        entry.update({k: v for k, v in seconds.items() if k.endswith("_s")})
+        entry.update({k: v for k, v in seconds.items() if k.endswith("_s") or k in ("paused_unix", "resumed_unix")})
         entry.update(status=records.OK if swap.get("ok") else records.FAILED, version=swap.get("version"),
                      restored=bool(swap.get("restored")), left_paused=bool(swap.get("left_paused")))
         if swap.get("error"):

@@ -120,7 +120,8 @@ class Swap:
     version: Optional[str] = None  # served now: the target's, the fallback's (restored), or UNKNOWN
     restored: bool = False  # the reload failed and the fallback was reloaded
     paused: bool = False  # left paused (the resume failed): the next swap resumes it
-    seconds: Dict[str, float] = field(default_factory=dict)  # pause_s, reload_s, version_s, resume_s, restore_s
+    # pause_s, reload_s, version_s, resume_s, restore_s; paused_unix, resumed_unix: when the engine held its requests
+    seconds: Dict[str, float] = field(default_factory=dict)
     error: Optional[str] = None
 
     def timed(self, name: str, fn, *args):

@@ -22,6 +22,7 @@ answer anyone who reaches them (docs/serving.md says how to keep them off public
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from .base import MISSING, UNKNOWN, Engine, EngineError, Probe, Swap, Target
@@ -68,6 +69,7 @@ class VLLMEngine(Engine):
     # ---- one snapshot ----------------------------------------------------------------------
     def swap(self, target: Target, fallback: Optional[Target]) -> Swap:
         s = Swap(self.url)
+        s.seconds["paused_unix"] = time.time()
         try:
             s.timed("pause", self.client.call, "POST", "/pause", None, {"mode": "keep"})
         except EngineError as e:  # nothing changed on the engine
@@ -121,6 +123,7 @@ class VLLMEngine(Engine):
         for attempt in (1, 2):
             try:
                 s.timed("resume", self.client.call, "POST", "/resume")
+                s.seconds["resumed_unix"] = time.time()
                 return
             except EngineError as e:
                 if attempt == 2:
