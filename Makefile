@@ -37,7 +37,8 @@ fake-device:
 	@scripts/fake_device.sh paddleformers
 
 envs:
-	@$(ENV) paddleformers >/dev/null && $(ENV) paddlenlp >/dev/null && $(ENV) hf >/dev/null && $(ENV) docs >/dev/null
+	@$(ENV) paddleformers >/dev/null && $(ENV) paddlenlp >/dev/null && $(ENV) hf >/dev/null && $(ENV) docs >/dev/null && \
+	$(ENV) vllm >/dev/null
 
 # a recipe with an evaluation hook (evaluate_each_snapshot, evaluate.* overrides) gets the hf environment's
 # python as $$PFC_HF_PYTHON (the bundled perplexity evaluator needs torch + transformers); the default demo does not
@@ -60,9 +61,9 @@ docs:
 	"$$BIN/lint-imports" --no-cache && NO_MKDOCS_2_WARNING=1 "$$BIN/mkdocs" build --strict --quiet --site-dir site
 
 test-paddleformers:
-	@PY=$$($(ENV) paddleformers); HF=$$($(ENV) hf); \
+	@PY=$$($(ENV) paddleformers); HF=$$($(ENV) hf); VLLM=$$($(ENV) vllm); \
 	echo "== tests in the PaddleFormers environment"; \
-	PFC_HF_PYTHON=$$HF $$PY -m pytest $(TESTS) --ignore-glob='tests/test_pnlp_*' $(XDIST) $(PYTEST_ARGS)
+	PFC_HF_PYTHON=$$HF PFC_VLLM_PYTHON=$$VLLM $$PY -m pytest $(TESTS) --ignore-glob='tests/test_pnlp_*' $(XDIST) $(PYTEST_ARGS)
 
 test-paddlenlp:
 	@PY=$$($(ENV) paddlenlp); HF=$$($(ENV) hf); \

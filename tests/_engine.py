@@ -164,9 +164,6 @@ class _FakeHandler(_Handler):
         fail, body = eng.rules.applies(method, self.path, body)
         if method == "GET" and path == "/v1/models":
             return self._send(200, {"object": "list", "data": [{"id": eng.root, "root": eng.root}]})
-        if method == "GET" and path == "/openapi.json":
-            paths = ["/v1/models", "/v1/completions", "/health"] + (list(DEV_PATHS) if eng.dev_mode else [])
-            return self._send(200, {"paths": {p: {} for p in paths}})
         if method == "GET" and path == "/weight_info":
             return self._send(200, {"weight_version": eng.version})
         if method == "GET" and path == "/is_paused":
@@ -176,7 +173,9 @@ class _FakeHandler(_Handler):
                 eng.broken = True
             return self._send(500, {"error": {"message": f"injected failure of {path}"}})
         if method == "POST" and path == "/pause":
-            assert query.get("mode") == ["keep"], query
+            if query.get("mode") not in (["keep"], ["abort"], ["wait"], None):
+                return self._send(422, {"detail": "mode: Input should be 'abort', 'wait' or 'keep'"})
+            assert query.get("mode") == ["keep"], query  # this package's swaps keep the requests
             eng.paused = True
             return self._send(200, {"status": "paused"})
         if method == "POST" and path == "/resume":
@@ -185,9 +184,13 @@ class _FakeHandler(_Handler):
                 eng.resumed.notify_all()
             return self._send(200, {"status": "resumed"})
         if method == "POST" and path == "/update_weight_version":
+            if "new_version" not in body:
+                return self._send(422, {"detail": "new_version: Field required"})
             eng.version = body["new_version"]
             return self._send(200, {"success": True, "new_version": eng.version})
         if method == "POST" and path == "/collective_rpc":
+            if "method" not in body:
+                return self._send(400, {"detail": "Missing 'method' in request body"})
             target = (body.get("kwargs") or {}).get("weights_path", "")
             if body.get("method") != "reload_weights" or not Path(target).is_dir():
                 eng.broken = True  # vLLM replaced its weights with placeholders before it failed

@@ -125,8 +125,10 @@ def test_the_probe_names_what_a_vllm_without_dev_mode_lacks(tmp_path):
     plain = FakeVLLM(dev_mode=False)
     try:
         p = VLLMEngine(plain.url).probe()
-        assert p.missing == ["/weight_info"] and "VLLM_SERVER_DEV_MODE=1" in p.note
-        with pytest.raises(ServeStartFailed, match=rf"^serve.url: {plain.url} lacks /weight_info: start vLLM with "
+        assert p.missing == ["/weight_info", "/is_paused", "/collective_rpc", "/update_weight_version", "/pause"]
+        assert "VLLM_SERVER_DEV_MODE=1" in p.note and plain.state()["version"] == "default"
+        with pytest.raises(ServeStartFailed, match=rf"^serve.url: {plain.url} lacks /weight_info, /is_paused, "
+                                                   "/collective_rpc, /update_weight_version, /pause: start vLLM with "
                                                    "VLLM_SERVER_DEV_MODE=1"):
             prove_engines(serve_cfg(plain.url), None)
     finally:
@@ -165,7 +167,7 @@ def test_the_start_proves_every_engine_and_the_fit_of_the_snapshots(tmp_path, mo
         said = []
         with pytest.raises(ServeStartFailed, match=r"^serve.url: .*:9 nothing answers"):  # the other engine is still named
             prove_engines(serve_cfg(good.url, "http://127.0.0.1:9", more=[f"serve.api_key_env={key}"]), (arch, tensors))
-        assert good.state()["version"] == "default" and "/pause" not in " ".join(good.paths())  # proving changed nothing
+        assert good.state()["version"] == "default" and "/pause?mode=keep" not in good.paths()  # proving changed nothing
         far = FakeVLLM(root="/models/not-here")
         assert prove_engines(serve_cfg(far.url), (arch, wide), say=said.append) and "cannot be read from here" in said[0]
         far.stop()

@@ -21,6 +21,7 @@ from .hook import EngineState
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 Model = Tuple[Optional[str], Dict[str, tuple]]
+START_VERSION = "default"  # vLLM's name for the weights it loaded at its start
 
 
 class ServeStartFailed(RuntimeError):
@@ -91,7 +92,7 @@ def prove_engines(cfg: ServeConfig, ours: Optional[Model], environ: Mapping[str,
 
 def initial_states(cfg: ServeConfig, probes: Dict[str, Probe], output_dir: Optional[Path]) -> Dict[str, EngineState]:
     """Each engine's first fallback: the snapshot of ``output_dir`` its weights are named after, if there is
-    one; else the directory it loaded at its start, under the name it serves now."""
+    one; else the directory it loaded at its start, under vLLM's name for those weights (``default``)."""
     states = {}
     for url in cfg.urls:
         p = probes.get(url)
@@ -105,6 +106,6 @@ def initial_states(cfg: ServeConfig, probes: Dict[str, Probe], output_dir: Optio
                                                          step if isinstance(step, int) else 0), p.version)
                 state.snapshot = p.version
         if state.served is None and p is not None and p.model_root:
-            state.served = Target(p.model_root, p.version or "default")
+            state.served = Target(p.model_root, START_VERSION)
         states[url] = state
     return states

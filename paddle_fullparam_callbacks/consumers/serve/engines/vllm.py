@@ -25,9 +25,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from .base import MISSING, UNKNOWN, Engine, EngineError, Probe, Swap, Target
+from .base import MISSING, REFUSED, UNKNOWN, Engine, EngineError, Probe, Swap, Target
 
-DEV = ("/pause", "/resume", "/collective_rpc", "/update_weight_version", "/weight_info", "/is_paused")
 
 
 class VLLMEngine(Engine):
@@ -37,34 +36,44 @@ class VLLMEngine(Engine):
 
     # ---- the start -------------------------------------------------------------------------
     def probe(self) -> Probe:
-        """The engine answers (``/v1/models``: also the directory it loaded), has the dev-mode endpoints,
-        and names its weights; EngineError when it does not answer or refuses."""
+        """The engine answers (``/v1/models``: also the directory it loaded), has the dev-mode endpoints, and
+        names its weights; EngineError when it does not answer or refuses. Nothing is changed on the engine:
+        a POST endpoint is proven by a request it must refuse as malformed (400/422), never by a call."""
         p = Probe(self.url, note=self.START_HINT)
         models = self.client.call("GET", "/v1/models")
         data = models.get("data") if isinstance(models, dict) else None
         if isinstance(data, list) and data and isinstance(data[0], dict):
             root = data[0].get("root") or data[0].get("id")
             p.model_root = root if isinstance(root, str) else None
-        try:
-            info = self.client.call("GET", "/weight_info")
-            p.version = info.get("weight_version") if isinstance(info, dict) else None
-            paused = self.client.call("GET", "/is_paused")
-            p.paused = bool(paused.get("is_paused")) if isinstance(paused, dict) else None
-        except EngineError as e:
-            if e.kind != MISSING:
-                raise
-            p.missing.append(e.call.split(" ", 1)[1])
-            return p
-        try:  # the rest of the endpoints, where the engine lists them (it may run without its docs)
-            spec = self.client.call("GET", "/openapi.json")
-        except EngineError as e:
-            if e.kind != MISSING:
-                raise
-            return p
-        paths = spec.get("paths") if isinstance(spec, dict) else None
-        if isinstance(paths, dict):
-            p.missing.extend(path for path in DEV if path not in paths)
+        for path in ("/weight_info", "/is_paused"):
+            try:
+                info = self.client.call("GET", path)
+            except EngineError as e:
+                if e.kind != MISSING:
+                    raise
+                p.missing.append(path)
+                continue
+            if path == "/weight_info":
+                p.version = info.get("weight_version") if isinstance(info, dict) else None
+            else:
+                p.paused = bool(info.get("is_paused")) if isinstance(info, dict) else None
+        # /resume sits beside /pause in vLLM's router: it cannot be proven without resuming
+        for path, body, query in (("/collective_rpc", {}, None), ("/update_weight_version", {}, None),
+                                  ("/pause", None, {"mode": "not-a-mode"})):
+            if not self._exists(path, body, query):
+                p.missing.append(path)
         return p
+
+    def _exists(self, path: str, body, query) -> bool:
+        try:
+            self.client.call("POST", path, body, query)
+        except EngineError as e:
+            if e.kind == MISSING:
+                return False
+            if e.kind == REFUSED and e.status in (400, 422):  # there, and it refused the malformed request
+                return True
+            raise
+        raise EngineError(self.url, f"POST {path}", "answer", "accepted a malformed request (is it vLLM?)")
 
     # ---- one snapshot ----------------------------------------------------------------------
     def swap(self, target: Target, fallback: Optional[Target]) -> Swap:

@@ -1,0 +1,119 @@
+"""Real vLLM servers for the serve tests and bench/serve.py: vLLM's CPU build (``requirements/vllm.txt``, an
+environment of its own), started as a user starts it for this package (docs/serving.md), on a free loopback
+port, with its log in a file.
+
+Start-up takes 40-60 s on 2 idle cores (about 3 minutes beside other work): a test module starts its servers
+once, all at the same time, and waits for them together. ``--distributed-executor-backend uni`` keeps the
+model in the engine-core process (one Python process fewer to start: 38 s instead of 60 here).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = float(os.environ.get("PFC_VLLM_READY_TIMEOUT_S", "900"))
+
+
+def vllm_python() -> str:
+    """The vLLM environment's interpreter: ``$PFC_VLLM_PYTHON`` (make sets it), else ``scripts/env.sh vllm``."""
+    env = os.environ.get("PFC_VLLM_PYTHON")
+    if env:
+        return env
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "env.sh"), "vllm"], capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """``python -m vllm.entrypoints.openai.api_server --model DIR`` in dev mode, float32, on a free port."""
+
+    def __init__(self, model_dir: Path, log: Path, api_key: Optional[str] = None, max_model_len: int = 128):
+        self.model_dir, self.log, self.api_key = Path(model_dir), Path(log), api_key
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        env.pop("PYTHONPATH", None)  # the engine's environment is its own; this checkout is not imported there
+        argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                "--max-model-len", str(max_model_len), "--enforce-eager", "--max-num-seqs", "16",
+                "--distributed-executor-backend", "uni"]
+        if api_key:
+            argv += ["--api-key", api_key]
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> "VLLMServer":
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM on {self.url} exited ({self.proc.returncode}) before it was ready:\n"
+                                   + self.log.read_text(errors="replace")[-4000:])
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"vLLM on {self.url} not ready after {timeout_s:.0f} s:\n"
+                                   + self.log.read_text(errors="replace")[-4000:])
+            time.sleep(0.5)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the server and its engine process (its session)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def call(self, method: str, path: str, body=None, timeout: float = 120):
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def version(self) -> str:
+        return self.call("GET", "/weight_info")["weight_version"]
+
+    def prompt_logprobs(self, ids: List[int]) -> List[float]:
+        """log p(ids[i] | ids[:i]) for i >= 1, as the engine computes them (float32)."""
+        out = self.call("POST", "/v1/completions", {"model": str(self.model_dir), "prompt": ids, "max_tokens": 1,
+                                                    "temperature": 0, "prompt_logprobs": 0})
+        rows = out["choices"][0]["prompt_logprobs"][1:]
+        return [row[str(i)]["logprob"] for row, i in zip(rows, ids[1:])]
+
+
+def start_servers(model_dir: Path, logs: Path, n: int, api_key: Optional[str] = None) -> List[VLLMServer]:
+    """``n`` servers of ``model_dir``, started together and waited for together."""
+    logs.mkdir(parents=True, exist_ok=True)
+    servers = [VLLMServer(model_dir, logs / f"vllm-{i}.log", api_key) for i in range(n)]
+    try:
+        for s in servers:
+            s.wait_ready()
+    except BaseException:
+        for s in servers:
+            s.kill()
+        raise
+    return servers
