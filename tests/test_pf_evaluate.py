@@ -191,14 +191,19 @@ def test_a_job_killed_while_an_evaluation_runs_gets_its_result_recorded_at_the_n
     assert "evaluating" in (snaps / name(2) / records.LOG).read_text()
 
 
-def test_four_ranks_evaluate_each_snapshot_once_on_the_coordinator(tmp_path):
+def test_four_ranks_evaluate_and_serve_each_snapshot_once_on_the_coordinator(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
     import harness
+    from _engine import FakeVLLM
 
     command = fake_evaluator(tmp_path, {"scores": {"2": 0.2, "4": 0.9, "6": 0.4, "8": 0.1}})
-    res = harness.run_launch(Path(__file__).resolve().parent / "multirank" / "evaluate_job.py",
-                             ["--out", tmp_path, "--command", command, "--python", sys.executable], nproc=4,
-                             log_dir=tmp_path / "log", timeout=300)
+    engine = FakeVLLM()
+    try:
+        res = harness.run_launch(Path(__file__).resolve().parent / "multirank" / "evaluate_job.py",
+                                 ["--out", tmp_path, "--command", command, "--python", sys.executable, "--engine",
+                                  engine.url], nproc=4, log_dir=tmp_path / "log", timeout=300)
+    finally:
+        engine.stop()
     assert res.rc == 0 and not res.timed_out, res.describe()
     reports = {r: rep for r, rep in res.tagged("EVAL")}
     assert sorted(reports) == [0, 1, 2, 3] and all(rep["world"] == 4 and rep["errors"] == [] for rep in reports.values())
@@ -213,3 +218,10 @@ def test_four_ranks_evaluate_each_snapshot_once_on_the_coordinator(tmp_path):
     snaps = tmp_path / "snaps"
     assert listing(snaps) == ["best", name(4), name(8), "latest"] and (snaps / "best").read_text().strip() == name(4)
     assert verify_snapshot(snaps / name(4)).ok and records.read_record(snaps / name(4))["scores"]["score"] == 0.9
+    # serving: one rank drove the engine, one swap per snapshot it took, the newest last; none skipped here is lost
+    served = reports[0]["served"]
+    assert all(rep["served"] == [] for r, rep in reports.items() if r) and served[-1] == [name(8), "ok"]
+    reloads = [b["kwargs"]["weights_path"] for m, p, b, _ in engine.calls if p == "/collective_rpc" and b.get("kwargs")]
+    assert [Path(r).name for r in reloads] == [n for n, status in served if status == "ok"]
+    assert {status for _, status in served} <= {"ok", "skipped"} and engine.state()["version"] == name(8)
+    assert engine.paths("POST").count("/pause?mode=keep") == len(reloads)

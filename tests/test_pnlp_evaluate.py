@@ -40,3 +40,32 @@ def test_paddlenlp_trainer_snapshots_are_scored_and_best_follows(tmp_path):
     assert (snaps / "best").read_text().strip() == "hf-step-000004"
     assert records.read_record(snaps / "hf-step-000004")["scores"]["score"] == 1.0
     assert verify_snapshot(snaps / "hf-step-000004").ok
+
+
+def test_paddlenlp_trainer_snapshots_are_served_through_the_checkpoint_hook_too(tmp_path):
+    """Serving with the PaddleNLP Trainer (the vLLM stand-in; the real server is tests/test_pf_serve.py's): each
+    snapshot, the checkpoint hook's included, reaches the engine under its name; the engine's model directory is
+    a snapshot of the same model, so the start's fit check runs against it."""
+    from _engine import FakeVLLM
+
+    from paddle_fullparam_callbacks.consumers.serve import records as serve_records
+
+    base = tmp_path / "base"
+    trainer = make_trainer("paddlenlp", make_tiny_llama("paddlenlp", seed=0),
+                           trainer_args("paddlenlp", str(tmp_path / "trainer0"), 1, save_steps=100), [])
+    attach(trainer, None, overrides=[f"output_dir={base}", "trigger.on_train_end=true"])
+    trainer.train()
+    engine = FakeVLLM(root=str(base / "hf-step-000001"))
+    try:
+        trainer = make_trainer("paddlenlp", make_tiny_llama("paddlenlp", seed=1),
+                               trainer_args("paddlenlp", str(tmp_path / "trainer"), 4, save_steps=2), [])
+        cb = attach(trainer, None, overrides=[
+            f"output_dir={tmp_path / 'snaps'}", "checkpoint_hook.enabled=true", f"serve.url={engine.url}",
+            "serve.wait=true", "trigger.on_train_end=false"])
+        trainer.train()
+    finally:
+        engine.stop()
+    assert [(j.name, j.record["status"]) for j in cb.serving.results] == [("checkpoint-2/hf", "ok"), ("checkpoint-4/hf", "ok")]
+    assert engine.state()["version"] == "checkpoint-4/hf" and engine.state()["weights"] == str(
+        (tmp_path / "trainer" / "checkpoint-4" / "hf").resolve())
+    assert serve_records.read(tmp_path / "trainer" / "checkpoint-4" / "hf", engine.url)["status"] == "ok"

@@ -1,11 +1,12 @@
 """Launched on 4 ranks: pure data parallelism through the real PaddleFormers Trainer with the
 evaluation hook (``attach``): a snapshot every 2 steps, each scored by the fake evaluator the test
-wrote, ``best`` by the downstream score.
+wrote, ``best`` by the downstream score, and each served by the engine at ``--engine`` (the test's vLLM
+stand-in).
 
-    python -m paddle.distributed.launch --nproc_per_node 4 evaluate_job.py --out DIR --command CMD --python PY
+    python -m paddle.distributed.launch --nproc_per_node 4 evaluate_job.py --out DIR --command CMD --python PY --engine URL
 
-Only the coordinator evaluates (once per snapshot) and logs the scores through its trainer; the
-other ranks take part in the start's one exchange and nothing else. Prints ``EVAL {json}`` per rank.
+Only the coordinator evaluates and serves (once per snapshot) and logs the scores through its trainer;
+the other ranks take part in the start's exchanges and nothing else. Prints ``EVAL {json}`` per rank.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--command", required=True)
     ap.add_argument("--python", required=True)
+    ap.add_argument("--engine", required=True)
     ns = ap.parse_args()
 
     import paddle.distributed as dist
@@ -40,14 +42,15 @@ def main():
     cb = attach(trainer, None, overrides=[
         f"output_dir={ns.out}/snaps", "trigger.every_n_steps=2", f"evaluate.command={ns.command}",
         f"evaluate.python={ns.python}", "retention.metric=evaluate.score", "retention.mode=max", "retention.keep_best=1",
-        "retention.keep_last=1", "export.max_shard_size=100KB", "on_error=raise",
+        "retention.keep_last=1", "export.max_shard_size=100KB", "on_error=raise", f"serve.url={ns.engine}",
+        "serve.timeout_s=30", "serve.reload_timeout_s=60",
     ])
     trainer.train()
     dist.barrier()
     print("EVAL " + json.dumps({
         "rank": dist.get_rank(), "world": dist.get_world_size(), "events": cb.events, "decisions": cb.decisions,
         "errors": cb.errors, "results": [[ev.name, ev.status, ev.scores.get("score")] for ev in cb.evaluation.results],
-        "logged": logged.logs,
+        "logged": logged.logs, "served": [[j.name, j.record["status"]] for j in cb.serving.results],
     }), flush=True)
 
 

@@ -294,3 +294,18 @@ def test_what_a_killed_job_left_is_recorded_at_the_next_start(engine, tmp_path):
     states = initial_states(serve_cfg(engine.url, more=["serve.path_template=/models/{name}"]),
                             {engine.url: VLLMEngine(engine.url).probe()}, tmp_path)
     assert states[engine.url].served == Target(f"/models/{snap4.name}", snap4.name) and states[engine.url].snapshot == snap4.name
+
+
+def test_serving_is_switched_on_by_recipes_overrides_and_the_environment_alike(tmp_path):
+    from paddle_fullparam_callbacks.trainer.autoattach.settings import RunSettings
+
+    recipe = tmp_path / "serve.yaml"
+    recipe.write_text("serve:\n  url: [http://10.0.0.5:8000, http://10.0.0.6:8000/]\n  wait: true\n"
+                      "  path_template: /models/{name}\n")
+    by_recipe = load_config(str(recipe)).serve
+    by_env = RunSettings.from_environ({
+        "PADDLE_FULLPARAM_OVERRIDES": "serve.url=[http://10.0.0.5:8000,http://10.0.0.6:8000] serve.wait=true "
+                                      "serve.path_template=/models/{name}"}).load_config().serve
+    assert by_recipe == by_env and by_env.urls == ["http://10.0.0.5:8000", "http://10.0.0.6:8000"] and by_env.wait
+    with pytest.raises(ConfigError, match=r"^serve.url: 'ftp://x' is not an engine's base URL"):
+        RunSettings.from_environ({"PADDLE_FULLPARAM_OVERRIDES": "serve.url=ftp://x"}).load_config()
