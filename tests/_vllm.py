@@ -38,9 +38,11 @@ def free_port() -> int:
 
 
 class VLLMServer:
-    """``python -m vllm.entrypoints.openai.api_server --model DIR`` in dev mode, float32, on a free port."""
+    """``python -m vllm.entrypoints.openai.api_server --model DIR`` in dev mode, float32, on a free port; the
+    time from its start to its first answer on ``/health`` is ``started_s`` (what a restart costs)."""
 
-    def __init__(self, model_dir: Path, log: Path, api_key: Optional[str] = None, max_model_len: int = 128):
+    def __init__(self, model_dir: Path, log: Path, api_key: Optional[str] = None, max_model_len: int = 128,
+                 tokenizer: bool = True):
         self.model_dir, self.log, self.api_key = Path(model_dir), Path(log), api_key
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -53,6 +55,9 @@ class VLLMServer:
                 "--distributed-executor-backend", "uni"]
         if api_key:
             argv += ["--api-key", api_key]
+        if not tokenizer:  # a model whose vocabulary is larger than the tokenizer's (token ids in, token ids out)
+            argv += ["--skip-tokenizer-init"]
+        self.t0, self.started_s = time.perf_counter(), None
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
@@ -74,7 +79,8 @@ class VLLMServer:
                 self.kill()
                 raise RuntimeError(f"vLLM on {self.url} not ready after {timeout_s:.0f} s:\n"
                                    + self.log.read_text(errors="replace")[-4000:])
-            time.sleep(0.5)
+            time.sleep(0.2)
+        self.started_s = time.perf_counter() - self.t0
         return self
 
     def kill(self) -> None:

@@ -1,21 +1,22 @@
-"""The swap agent: one process per training job that offers each snapshot to every engine at once, each
-through its protocol (``engines/``).
+"""The swap agent: one process per training job that verifies each snapshot and offers it to every engine at
+once, each through its protocol (``engines/``).
 
-    python -I -S agent.py        (started by the serving hook, ``hook.py``, in a session of its own)
+    python -I agent.py PACKAGE_ROOT     (started by the serving hook, ``hook.py``, in a session of its own)
 
-It reads a work folder's path per line on stdin; the folder holds ``swap.json`` (``engine``, the protocol's
-name; ``api_key_env``, the variable that holds the key, read from this process's environment, so the key is
-never written to disk; ``timeout_s``, ``reload_timeout_s``; ``engines``: ``[{"url", "target": {"path",
-"version"}, "fallback": {"path", "version"} | null}]``). It swaps every engine in a thread of its own, writes
-``output.json`` (``{"swaps": [Swap.as_dict(), ...]}``, atomically) and a line per engine to ``log``, then
-answers the path on stdout.
+It reads a work folder's path per line on stdin; the folder holds ``swap.json`` (``snapshot``, its path here;
+``engine``, the protocol's name; ``api_key_env``, the variable that holds the key, read from this process's
+environment, so the key is never written to disk; ``timeout_s``, ``reload_timeout_s``; ``log``; ``engines``:
+``[{"url", "target": {"path", "version"}, "fallback": {"path", "version"} | null}]``). It verifies the
+snapshot (``verify``: sizes, headers, every file's checksum; one that fails is offered to no engine), swaps
+every engine in a thread of its own, writes ``output.json`` (``{"verified", "verify_s", "swaps":
+[Swap.as_dict(), ...]}``, atomically) and a line per engine to ``log``, then answers the path on stdout.
 
-Why one long-lived process rather than one per swap: a snapshot reaches the engines in the time of the
-engines' own calls (starting Python and importing ``urllib`` cost more than a small model's reload), and the
-swap still runs outside the training process: a training job that is killed never leaves an engine paused,
-because the agent, in its own session, finishes the swap it started (then sees its input closed, and exits).
-SIGTERM is ignored for the same reason (every call is bounded by its timeout). Standard library only, this
-folder's ``engines`` package imported by path, without the package.
+Why one long-lived process, started with the job: a snapshot reaches the engines in the time of the engines'
+own calls (starting Python and importing the package cost more than a small model's reload, and are paid once,
+before the first step), the verification's reading and hashing never compete with training for its GIL, and a
+training job that is killed never leaves an engine paused: the agent, in its own session, finishes the swap it
+started (then sees its input closed, and exits). SIGTERM is ignored for the same reason (every call is bounded
+by its timeout). The protocols (``engines/``, standard library only) are imported by path.
 """
 from __future__ import annotations
 
@@ -76,7 +77,13 @@ def write_atomic(path: str, obj: dict, durable: bool = True) -> None:
     os.replace(tmp, path)
 
 
-def run_one(work: str) -> None:
+def verify(snapshot: str, verify_snapshot) -> dict:
+    t0 = time.perf_counter()
+    report = verify_snapshot(snapshot)
+    return {"verified": report.ok, "verify_s": round(time.perf_counter() - t0, 4), "verify_errors": report.errors[:5]}
+
+
+def run_one(work: str, verify_snapshot=None) -> None:
     """One job: the spec in ``work``, the output beside it, the log lines into the spec's ``log``."""
     write_atomic(os.path.join(work, CURRENT), {"pid": os.getpid()}, durable=False)
     with open(os.path.join(work, SPEC)) as f:
@@ -89,7 +96,12 @@ def run_one(work: str) -> None:
                 logf.flush()
 
         try:
-            result = swap_all(spec, log=log)
+            checked = verify(spec["snapshot"], verify_snapshot) if verify_snapshot and spec.get("snapshot") else {}
+            if checked and not checked["verified"]:
+                result = {**checked, "swaps": []}
+                log(f"{spec['snapshot']} failed verification, offered to no engine: {'; '.join(checked['verify_errors'])}")
+            else:
+                result = {**checked, **swap_all(spec, log=log)}
         except Exception as err:  # a spec this agent cannot read: said in the output, never a hang
             result = {"swaps": [], "error": f"{type(err).__name__}: {err}"}
             log(f"the swap failed: {result['error']}")
@@ -98,11 +110,17 @@ def run_one(work: str) -> None:
 
 def main() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    verify_snapshot = None
+    if len(sys.argv) > 1:  # the package's verification, imported now: before the job's first step, not at a swap
+        sys.path.insert(0, sys.argv[1])
+        from paddle_fullparam_callbacks.export.verify import verify_snapshot
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
     for line in sys.stdin:
         work = line.strip()
         if not work:
             continue
-        run_one(work)
+        run_one(work, verify_snapshot)
         sys.stdout.write(work + "\n")
         sys.stdout.flush()
     return 0

@@ -2,10 +2,10 @@
 
 It is a consumer (``../hook.py``: the line, the worker thread, drain, adoption); what is its own:
 :meth:`ServeHook.committed` puts a snapshot in line; the worker thread takes the newest (the others waiting
-are recorded as skipped: an engine needs only the newest weights), verifies it (a snapshot that fails
-verification is never sent), writes the ``running`` record and hands the swap to the job's swap agent
-(``agent.py``: one process in a session of its own, started at the first swap, so a swap outlives a training
-job that is killed and never leaves an engine paused, and costs no process start); the final record says,
+are recorded as skipped: an engine needs only the newest weights), writes the ``running`` record and hands it to the
+job's swap agent (``agent.py``: one process in a session of its own, started with the hook, which verifies the
+snapshot, so that one that fails verification is never sent, and swaps it into the engines; a swap outlives a
+training job that is killed, never leaves an engine paused, and costs no process start); the final record says,
 per engine, what it serves now and each call's seconds. The hook keeps what each engine served last for sure
 (:class:`EngineState`): the fallback of its next swap, which retention keeps (:meth:`busy`). A swap that
 runs is never stopped at the end of training (its calls are bounded by their timeouts); :meth:`wait_for` is
@@ -28,7 +28,6 @@ from typing import Dict, List, Optional
 from ...config.schema import ServeConfig
 from ...config.serving import format_engine_path, swap_bound_s
 from ...export.commit.ownership import delete_marked, is_marked, mark, snapshot_identity
-from ...export.verify import verify_snapshot
 from ...export.write.fsync import write_json_durable
 from ... import _faults
 from ..hook import BACKSTOP_S, ConsumerHook, Job, not_recordable
@@ -39,6 +38,7 @@ from .engines.base import UNKNOWN
 from .result import final_entries
 
 AGENT = Path(__file__).resolve().with_name("agent.py")
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding paddle_fullparam_callbacks/
 
 
 def job_timeout(cfg: ServeConfig) -> float:
@@ -71,7 +71,6 @@ class Serving(Job):
     in_output_dir: bool = True
     committed_unix: float = field(default_factory=time.time)
     order: float = field(default_factory=time.monotonic)
-    verify_s: Optional[float] = None
     targets: Dict[str, Target] = field(default_factory=dict)
 
     @property
@@ -84,38 +83,50 @@ class Serving(Job):
 
 
 class Agent:
-    """The hook's swap agent (``agent.py``): started on first use in a session of its own, told one work
-    folder at a time, answering when that swap has ended; restarted after it died or stopped answering."""
+    """The hook's swap agent (``agent.py``): started with the hook in a session of its own (it imports the
+    package's verification meanwhile), told one work folder at a time, answering when that swap has ended;
+    started again after it died or stopped answering."""
 
     def __init__(self):
         self.proc: Optional[subprocess.Popen] = None
+        self._ready = False
 
     def start(self) -> int:
         if self.proc is None or self.proc.poll() is not None:
-            self.proc = subprocess.Popen([sys.executable, "-I", "-S", str(AGENT)], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, "-I", str(AGENT), PACKAGE_ROOT], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, start_new_session=True)
+            self._ready = False
         return self.proc.pid
 
     def run(self, work: Path, timeout_s: float) -> Optional[str]:
         """Hand ``work`` to the agent; None once it answered, else why not (it died, or gave no answer within
         ``timeout_s``: then it is killed, and the next swap starts another)."""
         proc = self.proc
+        deadline = time.monotonic() + timeout_s
+        if not self._ready:  # its first line: the package imported (one start's cost, before any swap)
+            why = self._line(deadline, timeout_s)
+            if why:
+                return why
+            self._ready = True
         try:
             proc.stdin.write(f"{work}\n".encode())
             proc.stdin.flush()
         except OSError as e:
             return self._lost(f"the swap agent could not be reached ({e})")
-        deadline, answer = time.monotonic() + timeout_s, b""
-        fd = proc.stdout.fileno()
+        return self._line(deadline, timeout_s)
+
+    def _line(self, deadline: float, timeout_s: float) -> Optional[str]:
+        """Read one answer line; None, or why there is none."""
+        answer, fd = b"", self.proc.stdout.fileno()
         while not answer.endswith(b"\n"):
             left = deadline - time.monotonic()
             if left <= 0:
                 return self._lost(f"the swap agent gave no answer within {timeout_s:.0f} s", kill=True)
             ready, _, _ = select.select([fd], [], [], left)
             if ready:
-                chunk = os.read(fd, 4096)
+                chunk = os.read(fd, 1)  # one byte at a time: never past this answer's line
                 if not chunk:
-                    return self._lost(f"the swap agent ended (exit status {proc.wait()})")
+                    return self._lost(f"the swap agent ended (exit status {self.proc.wait()})")
                 answer += chunk
         return None
 
@@ -180,6 +191,7 @@ class ServeHook(ConsumerHook):
         self._landed: Dict[str, threading.Event] = {}
         self._done = _DoneQueue(self._mark_landed)
         self.agent = Agent()
+        self.agent.start()  # imports the package's verification now, before the job's first step
         self._why: Dict[str, str] = {}  # a job's swap that gave no output: why (the agent lost)
 
     # ---- the training side -------------------------------------------------------------------
@@ -270,14 +282,6 @@ class ServeHook(ConsumerHook):
             job.record = {**self._base(job), "status": records.FAILED,
                           "error": "the snapshot is gone (removed before it could be served)"}
             return
-        t0 = time.perf_counter()
-        report = verify_snapshot(job.path)
-        job.verify_s = round(time.perf_counter() - t0, 4)
-        if not report.ok:
-            job.record = self._keep(job, {**self._base(job), "status": records.FAILED, "verify_s": job.verify_s,
-                                          "error": "the snapshot failed verification and is not offered to any "
-                                                   "engine: " + "; ".join(report.errors[:3])})
-            return
         work = prepare_work(job.path, self.run_id)
         with self._cond:
             states = {url: s.served for url, s in self.states.items()}
@@ -287,12 +291,12 @@ class ServeHook(ConsumerHook):
             job.targets[url] = target
             fallback = states.get(url)
             engines.append({"url": url, "target": vars(target), "fallback": vars(fallback) if fallback else None})
-        write_json_durable(work / SPEC, {"engine": self.serve.engine, "api_key_env": self.serve.api_key_env,
+        write_json_durable(work / SPEC, {"snapshot": str(job.path), "engine": self.serve.engine,
+                                         "api_key_env": self.serve.api_key_env,
                                          "timeout_s": self.serve.timeout_s, "log": str(job.path / records.LOG),
                                          "reload_timeout_s": self.serve.reload_timeout_s, "engines": engines})
-        job.running = {**self._base(job), "status": records.RUNNING, "verify_s": job.verify_s,
-                       "committed_unix": job.committed_unix, "host": socket.gethostname(), "pid": self.agent.start(),
-                       "started_unix": time.time(), "timeout_s": self.cfg.timeout_s, "log": records.LOG,
+        job.running = {**self._base(job), "status": records.RUNNING, "committed_unix": job.committed_unix,
+                       "host": socket.gethostname(), "pid": self.agent.start(), "started_unix": time.time(), "timeout_s": self.cfg.timeout_s, "log": records.LOG,
                        "identity": identity, "engine_paths": {u: t.path for u, t in job.targets.items()}}
         self._write(job, job.running)
         _faults.point(self.FAULT)

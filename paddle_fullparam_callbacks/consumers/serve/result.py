@@ -19,6 +19,9 @@ def final_entries(running: dict, urls: Iterable[str], targets: Dict[str, Target]
     base = {k: v for k, v in running.items() if k not in ("status", "engines", "engine", "error", "engine_paths")}
     result = _json(output) or {}
     swaps = {s.get("url"): s for s in result.get("swaps") or [] if isinstance(s, dict)}
+    if isinstance(result.get("verify_s"), (int, float)):
+        base["verify_s"] = result["verify_s"]
+    unverified = result.get("verified") is False
     out = {}
     for url in urls:
         entry = {**base, "engine": url}
@@ -26,7 +29,10 @@ def final_entries(running: dict, urls: Iterable[str], targets: Dict[str, Target]
             entry["engine_path"] = targets[url].path
         swap = swaps.get(url)
         if swap is None:
-            entry.update(status=records.FAILED, version=None, error=result.get("error") or why or NO_RESULT)
+            error = ("the snapshot failed verification and is not offered to any engine: "
+                     + "; ".join(map(str, result.get("verify_errors") or []))) if unverified else (
+                result.get("error") or why or NO_RESULT)
+            entry.update(status=records.FAILED, version=None, error=error)
             out[url] = entry
             continue
         seconds = swap.get("seconds") if isinstance(swap.get("seconds"), dict) else {}
