@@ -206,6 +206,27 @@ def test_the_start_is_refused_before_step_one_when_an_engine_cannot_take_the_sna
     assert engines[0].version() == before  # nothing was sent
 
 
+def test_an_engine_left_paused_by_a_killed_swap_gets_the_newest_snapshot_at_the_next_start(tmp_path, caplog):
+    """The stand-in (no real engine needed): a swap agent killed with `kill -9` between the pause and the resume
+    leaves the engine holding its requests; the next job's start notices and serves the newest snapshot."""
+    from _engine import FakeVLLM
+
+    engine = FakeVLLM()
+    try:
+        train(tmp_path, [engine.url], ["serve.api_key_env=null", "trigger.on_train_end=false"], steps=2)
+        assert engine.state()["version"] == name(2)
+        engine.paused = True  # what a swap cut after its pause leaves
+        caplog.set_level(logging.INFO, logger="paddle_fullparam_callbacks")
+        cb = train(tmp_path, [engine.url], ["serve.api_key_env=null", "trigger.every_n_steps=3",
+                                            "trigger.on_train_end=false"], steps=3)
+    finally:
+        engine.stop()
+    assert any(engine.url in r.getMessage() and "paused" in r.getMessage() and name(2) in r.getMessage()
+               for r in caplog.records if r.levelno == logging.WARNING)
+    assert [j.name for j in cb.serving.results] == [name(2), name(3)] and not engine.state()["paused"]
+    assert engine.state()["version"] == name(3)
+
+
 def test_an_engine_killed_mid_run_never_stops_training_and_is_logged_once(engines, key, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="paddle_fullparam_callbacks")
     alive, dead = engines
