@@ -375,3 +375,19 @@ def record_writer_stats() -> list:
 
     SnapshotWriter.close = close
     return recorded
+
+
+class TrainingWork:
+    """A stand-in for a training step's compute: float32 matrix products on every core, of a fixed amount
+    (the stall benchmarks run it between exports, draining a consumer's hook after each step)."""
+
+    def __init__(self, n: int = 768):
+        import numpy as np
+
+        self.np, self.a = np, np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+
+    def step(self) -> None:
+        b = self.a
+        for _ in range(6):
+            b = b @ self.a
+            b /= self.np.abs(b).max()

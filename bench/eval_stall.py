@@ -59,7 +59,6 @@ json.dump({"score": x % 1000 / 1000, "digest": h.hexdigest()[:16]}, open(output,
 
 def child(variant: str, out: Path, exports: int, steps: int, eval_cpu: float) -> dict:
     C.quiet_logs()
-    import numpy as np
 
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
@@ -88,7 +87,7 @@ def child(variant: str, out: Path, exports: int, steps: int, eval_cpu: float) ->
 
         session.committer.on_commit = on_commit
         session.committer.busy = hook.busy
-    a = np.random.default_rng(0).standard_normal((768, 768), dtype=np.float32)
+    work = C.TrainingWork(768)
     stalls, exports_s, drains, train_s, hook_s = [], [], [], [], []
     share = C.CpuShare()
     share.__enter__()
@@ -100,10 +99,7 @@ def child(variant: str, out: Path, exports: int, steps: int, eval_cpu: float) ->
         hook_s.append(committed_s[-1] if committed_s else 0.0)
         t_train = time.perf_counter()
         for _ in range(steps):  # one "training step": fixed CPU work, then the trainer event's drain
-            b = a
-            for _ in range(6):
-                b = b @ a
-                b /= np.abs(b).max()
+            work.step()
             if hook is not None:
                 td = time.perf_counter()
                 statuses += [ev.status for ev in hook.drain()]

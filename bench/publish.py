@@ -145,7 +145,6 @@ def throughput(endpoint: str, reps: int, shards: int, shard_mb: int, part_mb: in
 
 def child(variant: str, out: Path, endpoint: str, exports: int, steps: int, prefix: str) -> dict:
     C.quiet_logs()
-    import numpy as np
 
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
@@ -172,7 +171,7 @@ def child(variant: str, out: Path, endpoint: str, exports: int, steps: int, pref
 
         session.committer.on_commit = on_commit
         session.committer.busy = hook.busy
-    a = np.random.default_rng(0).standard_normal((768, 768), dtype=np.float32)
+    work = C.TrainingWork(768)
     stalls, train_s, drains = [], [], []
     for step in range(1, exports + 1):
         t = time.perf_counter()
@@ -180,10 +179,7 @@ def child(variant: str, out: Path, endpoint: str, exports: int, steps: int, pref
         stalls.append(time.perf_counter() - t)
         t_train = time.perf_counter()
         for _ in range(steps):
-            b = a
-            for _ in range(6):
-                b = b @ a
-                b /= np.abs(b).max()
+            work.step()
             if hook is not None:
                 td = time.perf_counter()
                 statuses += [p.status for p in hook.drain()]

@@ -147,7 +147,6 @@ def size_case(size: str, work: Path, ns) -> dict:
 def child(variant: str, size: str, out: Path, url: str, exports: int, steps: int) -> dict:
     """One training run of ``exports`` exports; serving on (the hook on the commits) or off."""
     C.quiet_logs()
-    import numpy as np
 
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.consumers.serve.engines import VLLMEngine
@@ -167,7 +166,7 @@ def child(variant: str, size: str, out: Path, url: str, exports: int, steps: int
         hook = ServeHook(cfg.serve, initial_states(cfg.serve, {url: VLLMEngine(url).probe()}, out), session.run_id)
         session.committer.on_commit = lambda job: hook.committed(job.name, Path(job.out_dir) / job.name, job.step)
         session.committer.busy = hook.busy
-    a = np.random.default_rng(0).standard_normal((512, 512), dtype=np.float32)
+    work = C.TrainingWork(512)
     stalls, train_s, statuses = [], [], []
     for step in range(1, exports + 1):
         t = time.perf_counter()
@@ -175,10 +174,7 @@ def child(variant: str, size: str, out: Path, url: str, exports: int, steps: int
         stalls.append(time.perf_counter() - t)
         t_train = time.perf_counter()
         for _ in range(steps):  # one "training step": fixed CPU work, then the trainer event's drain
-            b = a
-            for _ in range(6):
-                b = b @ a
-                b /= np.abs(b).max()
+            work.step()
             if hook is not None:
                 td = time.perf_counter()
                 statuses += [j.record["status"] for j in hook.drain()]

@@ -115,3 +115,20 @@ def listing(path) -> list:
     import os
 
     return sorted(p for p in os.listdir(path) if p not in (".fullparam.lock", ".fullparam-progress"))
+
+
+class AtStep:
+    """A trainer callback added after the export callback: ``at[step]()`` runs at that step's end, once the
+    step's snapshot (if it has one) is committed."""
+
+    def __init__(self, at: dict):
+        self.at = at
+
+    def __getattr__(self, attr):
+        if attr.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(attr)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in self.at:
+            self.at[state.global_step]()

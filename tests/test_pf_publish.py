@@ -22,7 +22,7 @@ from paddle_fullparam_callbacks.consumers.publish import records
 from paddle_fullparam_callbacks.trainer.publishing import PublishStartFailed
 
 from _evaluators import wait_until
-from _helpers import listing, run_cli
+from _helpers import AtStep, listing, run_cli
 from _s3 import keys_under, moto, open_uploads, s3  # noqa: F401 (moto, s3: fixtures)
 
 pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
@@ -40,29 +40,13 @@ def publish_overrides(endpoint: str, bucket: str, *more: str) -> list:
             "publish.max_memory=15MiB", "publish.concurrency=2", "publish.retry_backoff_s=0.01", *more]
 
 
-class AtStep:
-    """A callback added after the export callback: ``at[step](out_dir)`` runs once that step's snapshot is committed."""
-
-    def __init__(self, out: Path, at: dict):
-        self.out, self.at = out, at
-
-    def __getattr__(self, attr):
-        if attr.startswith("on_"):
-            return lambda *a, **k: None
-        raise AttributeError(attr)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step in self.at:
-            self.at[state.global_step](self.out)
-
-
 def train(tmp_path, overrides, steps, at=None, model=None):
     cb = FullParamExportCallback(None, overrides=[f"output_dir={tmp_path / 'snaps'}", *overrides])
     targs = trainer_args("paddleformers", str(tmp_path / "trainer"), steps, save_steps=1000)
     trainer = make_trainer("paddleformers", model or make_tiny_llama(seed=0, **BIG), targs, [])
     attach(trainer, cb)
     if at:
-        trainer.add_callback(AtStep(tmp_path / "snaps", at))
+        trainer.add_callback(AtStep({step: (lambda fn=fn: fn(tmp_path / "snaps")) for step, fn in at.items()}))
     trainer.train()
     return cb, trainer
 

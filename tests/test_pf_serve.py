@@ -26,7 +26,7 @@ from paddle_fullparam_callbacks.models.model_info import build_model_source
 from paddle_fullparam_callbacks.trainer.serving import ServeStartFailed
 
 from _engine import Proxy, reload_of
-from _helpers import listing, run_cli
+from _helpers import AtStep, listing, run_cli
 from _vllm import start_servers
 
 pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
@@ -85,22 +85,6 @@ class Client:
         for t in self.threads:
             t.join(180)
         return self.done
-
-
-class AtStep:
-    """A callback after the export callback: ``at[step]()`` runs at that step's end (its snapshot committed)."""
-
-    def __init__(self, at):
-        self.at = at
-
-    def __getattr__(self, attr):
-        if attr.startswith("on_"):
-            return lambda *a, **k: None
-        raise AttributeError(attr)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step in self.at:
-            self.at[state.global_step]()
 
 
 def train(tmp_path, urls, overrides, steps=6, at=None, model=None):

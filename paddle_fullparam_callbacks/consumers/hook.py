@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Set
 
@@ -61,6 +61,7 @@ class Job:
     recovered: bool = False  # left by an earlier job, settled at this start
     proc: Optional[subprocess.Popen] = None
     stopped_after_s: Optional[float] = None  # stopped by the end of training, after waiting this long
+    order: float = field(default_factory=time.monotonic)  # when it was put in line (ties of one step)
 
     @property
     def status(self) -> str:
@@ -94,9 +95,10 @@ class ConsumerHook:
     STOP_RUNNING = True  # at the end, stop what still runs after the wait (False: let it end by its own bounds)
     DONE = STATUS  # the file in the work folder that says a job's process has ended
 
-    def __init__(self, cfg, run_id: str, workers: int = 1):
-        """``cfg`` has the consumer's ``timeout_s`` and ``nice``; ``workers`` jobs run at a time."""
-        self.cfg, self.run_id, self.workers = cfg, run_id, workers
+    def __init__(self, cfg, run_id: str, workers: int = 1, skip_behind: bool = False):
+        """``cfg`` has the consumer's ``timeout_s`` and ``nice``; ``workers`` jobs run at a time; ``skip_behind``:
+        when several snapshots wait, the newest wins (:meth:`_newest_wins`)."""
+        self.cfg, self.run_id, self.workers, self.skip_behind = cfg, run_id, workers, skip_behind
         self._cond = threading.Condition()
         self._line: List[Job] = []
         self._running: Dict[str, Job] = {}
@@ -224,6 +226,20 @@ class ConsumerHook:
     def _take(self) -> Optional[Job]:
         """(The lock held, the line not empty) the next job: the oldest."""
         return self._line.pop(0)
+
+    def _newest_wins(self, keep: Callable[[Job, Job], bool] = lambda job, newest: False):
+        """(The lock held, the line not empty) ``(next, superseded)``: with ``skip_behind`` the newest snapshot
+        waiting, and the others it supersedes (out of the line, for the caller to record as skipped) but those
+        ``keep(job, newest)`` keeps in line; without it the oldest, every snapshot in turn."""
+        if not self.skip_behind:
+            first = min(self._line, key=lambda j: (j.step, j.order))
+            self._line.remove(first)
+            return first, []
+        newest = max(self._line, key=lambda j: (j.step, j.order))
+        kept = [j for j in self._line if j is not newest and keep(j, newest)]
+        superseded = [j for j in self._line if j is not newest and j not in kept]
+        self._line = kept
+        return newest, superseded
 
     def _work(self) -> None:
         while True:

@@ -136,16 +136,21 @@ def run(workdir: str) -> dict:
     return _finish(workdir, status)
 
 
-def is_alive(pid, workdir: str) -> bool:
-    """Whether ``pid`` is a runner (this file) working on ``workdir``, on this host (``/proc``)."""
+def cmdline(pid) -> list:
+    """The arguments process ``pid`` runs with, on this host (``/proc``); [] for no such process."""
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
+        return []
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().split(b"\0")
+            return f.read().split(b"\0")
     except OSError:
-        return False
-    return os.path.basename(__file__).encode() in b" ".join(cmdline) and os.fsencode(str(workdir)) in cmdline
+        return []
+
+
+def is_alive(pid, workdir: str) -> bool:
+    """Whether ``pid`` is a runner (this file) working on ``workdir``, on this host (``/proc``)."""
+    args = cmdline(pid)
+    return os.path.basename(__file__).encode() in b" ".join(args) and os.fsencode(str(workdir)) in args
 
 
 def find(workdir: str):

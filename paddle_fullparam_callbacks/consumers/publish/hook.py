@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -40,7 +39,6 @@ class Publication(Job):
 
     kind: str = "snapshot"  # snapshot | pointers | cleanup
     keep: List[str] = field(default_factory=list)  # cleanup: the snapshots whose uploads are resumed, not aborted
-    order: float = field(default_factory=time.monotonic)
 
     @property
     def entry(self) -> Optional[dict]:
@@ -65,14 +63,13 @@ class PublishHook(ConsumerHook):
 
     def __init__(self, config: FullParamConfig, output_dir: Path, run_id: str, store_factory: Optional[Callable] = None,
                  skip_behind: bool = True):
-        super().__init__(config.publish, run_id, workers=1)
+        super().__init__(config.publish, run_id, workers=1, skip_behind=skip_behind)
         self.config = config
         self.output_dir = Path(output_dir).resolve()
         self.destination = self.cfg.url or "command"
         self._store_factory = store_factory
         self._store = None
-        self._skipped: List[Publication] = []
-        self.skip_behind = skip_behind  # False (paddle-fullparam publish): every snapshot in line, oldest first
+        self._skipped: List[Publication] = []  # skip_behind False (paddle-fullparam publish): every snapshot, oldest first
 
     # ---- the training side -------------------------------------------------------------------
     def committed(self, name: str, path: Path, step: int) -> None:
@@ -101,21 +98,13 @@ class PublishHook(ConsumerHook):
                 return p
         if not self._line:
             return None
-        if not self.skip_behind:
-            first = min(self._line, key=lambda p: (p.step, p.order))
-            self._line.remove(first)
-            return first
-        newest = max(self._line, key=lambda p: (p.step, p.order))
-        best = read_pointer(self.output_dir, "best")
-        winners = [newest] + [p for p in self._line if p.name == best and p is not newest]
-        for p in self._line:
-            if p not in winners:  # recorded by the worker thread, outside the lock (the training thread's)
-                p.entry = {**self._base(p), "status": records.SKIPPED,
-                           "error": f"publishing fell behind and newer snapshots won ({newest.name} is "
-                                    "published instead)"}
-                self._skipped.append(p)
-        self._line = winners[1:]
-        return winners[0]
+        best = read_pointer(self.output_dir, "best") if self.skip_behind else None
+        first, superseded = self._newest_wins(lambda p, newest: p.name == best)
+        for p in superseded:  # recorded by the worker thread, outside the lock (the training thread's)
+            p.entry = {**self._base(p), "status": records.SKIPPED,
+                       "error": f"publishing fell behind and newer snapshots won ({first.name} is published instead)"}
+            self._skipped.append(p)
+        return first
 
     def _run(self, pub: Publication) -> None:
         with self._cond:

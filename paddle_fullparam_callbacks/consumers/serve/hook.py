@@ -31,8 +31,9 @@ from ...export.commit.ownership import delete_marked, is_marked, mark, snapshot_
 from ...export.write.fsync import write_json_durable
 from ... import _faults
 from ..hook import BACKSTOP_S, ConsumerHook, Job, not_recordable
+from ..runner import cmdline
 from . import records
-from .agent import CURRENT, OUTPUT, SPEC
+from .agent import OUTPUT, SPEC
 from .engines import Target
 from .engines.base import UNKNOWN
 from .result import final_entries
@@ -70,7 +71,6 @@ class Serving(Job):
 
     in_output_dir: bool = True
     committed_unix: float = field(default_factory=time.time)
-    order: float = field(default_factory=time.monotonic)
     targets: Dict[str, Target] = field(default_factory=dict)
 
     @property
@@ -150,15 +150,10 @@ class Agent:
 
 def agent_works(running: dict, work: Path) -> bool:
     """Whether the swap agent of a running record still works on ``work`` (on this host: ``/proc``)."""
-    pid = running.get("pid")
-    if running.get("host") not in (None, socket.gethostname()) or not isinstance(pid, int) or pid <= 0:
+    if running.get("host") not in (None, socket.gethostname()):
         return False
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().split(b"\0")
-    except OSError:
-        return False
-    return any(arg.endswith(b"agent.py") for arg in cmdline) and not (work / OUTPUT).exists()
+    args = cmdline(running.get("pid"))
+    return any(arg.endswith(AGENT.name.encode()) for arg in args) and not (work / OUTPUT).exists()
 
 
 class _DoneQueue(queue.Queue):
@@ -183,10 +178,9 @@ class ServeHook(ConsumerHook):
     DONE = OUTPUT
 
     def __init__(self, cfg: ServeConfig, states: Dict[str, EngineState], run_id: str, skip_behind: bool = True):
-        super().__init__(_Bounds(job_timeout(cfg)), run_id, workers=1)
+        super().__init__(_Bounds(job_timeout(cfg)), run_id, workers=1, skip_behind=skip_behind)
         self.serve = cfg
         self.states = states
-        self.skip_behind = skip_behind
         self._skipped: List[Serving] = []
         self._landed: Dict[str, threading.Event] = {}
         self._done = _DoneQueue(self._mark_landed)
@@ -234,18 +228,12 @@ class ServeHook(ConsumerHook):
             if job.adopted:
                 self._line.remove(job)
                 return job
-        if not self.skip_behind:
-            first = min(self._line, key=lambda j: (j.step, j.order))
-            self._line.remove(first)
-            return first
-        newest = max(self._line, key=lambda j: (j.step, j.order))
-        for job in self._line:
-            if job is not newest:
-                job.record = {**self._base(job), "status": records.SKIPPED,
-                              "error": f"serving fell behind and a newer snapshot won ({newest.name} is served instead)"}
-                self._skipped.append(job)
-        self._line = []
-        return newest
+        first, superseded = self._newest_wins()
+        for job in superseded:
+            job.record = {**self._base(job), "status": records.SKIPPED,
+                          "error": f"serving fell behind and a newer snapshot won ({first.name} is served instead)"}
+            self._skipped.append(job)
+        return first
 
     def _run(self, job: Serving) -> None:
         with self._cond:
