@@ -309,3 +309,21 @@ def test_serving_is_switched_on_by_recipes_overrides_and_the_environment_alike(t
     assert by_recipe == by_env and by_env.urls == ["http://10.0.0.5:8000", "http://10.0.0.6:8000"] and by_env.wait
     with pytest.raises(ConfigError, match=r"^serve.url: 'ftp://x' is not an engine's base URL"):
         RunSettings.from_environ({"PADDLE_FULLPARAM_OVERRIDES": "serve.url=ftp://x"}).load_config()
+
+
+def test_an_engine_that_sees_the_snapshots_elsewhere_reloads_them_from_its_own_path(engine, tmp_path):
+    """An engine in a container that mounts the output directory at another path (here a link to it):
+    ``serve.path_template`` gives the path the engine reads; the record keeps both."""
+    out = tmp_path / "out"
+    out.mkdir()
+    mount = tmp_path / "mnt-models"
+    mount.symlink_to(out)
+    cfg = serve_cfg(engine.url, more=[f"serve.path_template={mount}/{{name}}"])
+    hook = _hook(cfg, tmp_path)
+    snap = make_snapshot(out, 6)
+    hook.committed(snap.name, snap, 6)
+    hook.close(60)
+    entry = hook.drain()[0].entries[engine.url]
+    assert entry["status"] == "ok" and entry["engine_path"] == f"{mount}/{snap.name}"
+    assert engine.state()["weights"] == f"{mount}/{snap.name}" and engine.state()["version"] == snap.name
+    assert records.read(snap, engine.url)["engine_path"] == f"{mount}/{snap.name}"
