@@ -35,7 +35,6 @@ from ..runner import cmdline
 from . import records
 from .agent import OUTPUT, SPEC
 from .engines import Target
-from .engines.base import UNKNOWN
 from .result import final_entries
 
 AGENT = Path(__file__).resolve().with_name("agent.py")
@@ -62,7 +61,6 @@ class EngineState:
     url: str
     served: Optional[Target] = None
     snapshot: Optional[str] = None  # the name of that snapshot when it is one of output_dir's
-    unknown: bool = False  # its last swap left its weights unknown
 
 
 @dataclass
@@ -309,15 +307,14 @@ class ServeHook(ConsumerHook):
             delete_marked(work)
 
     def _learn(self, job: Serving) -> None:
-        """Each engine's state after the swap: a served snapshot is its next fallback."""
+        """Each engine's state after the swap: a served snapshot is its next fallback (after a failed swap the
+        fallback stays the last weights it served for sure, whatever it serves now)."""
         with self._cond:
             for url, entry in job.entries.items():
-                state = self.states.setdefault(url, EngineState(url))
                 if entry["status"] == records.OK:
-                    state.served, state.unknown = job.targets[url], False
+                    state = self.states.setdefault(url, EngineState(url))
+                    state.served = job.targets[url]
                     state.snapshot = job.name if job.in_output_dir else None
-                elif entry.get("version") == UNKNOWN:
-                    state.unknown = True  # its fallback stays the last weights it served for sure
 
     def alive(self, running: dict, work: Path) -> bool:
         return agent_works(running, work)
