@@ -51,8 +51,9 @@ class VerifyReport:
                 "bytes": self.bytes, "errors": self.errors}
 
 
-def verify_snapshot(directory: "str | Path", check_hashes: bool = True) -> VerifyReport:
-    """Check the snapshot ``directory``; the report lists every problem found (``ok`` if none).
+def verify_snapshot(directory: "str | Path", check_hashes: bool = True, mapped: bool = False) -> VerifyReport:
+    """Check the snapshot ``directory``; the report lists every problem found (``ok`` if none). ``mapped``:
+    checksums through memory maps on every core (``checksum.digest_of_mapped``: the serving agent's way).
 
     >>> verify_snapshot("/nonexistent").errors
     ['/nonexistent: does not exist']
@@ -64,16 +65,17 @@ def verify_snapshot(directory: "str | Path", check_hashes: bool = True) -> Verif
         if problem:
             raise Unreadable(problem)
         with SnapshotDir.open(d) as snap:
-            return check_open_snapshot(snap, report, check_hashes)
+            return check_open_snapshot(snap, report, check_hashes, mapped)
     except Unreadable as e:
         report.fail(f"{d}: {e}")
         return report
 
 
-def check_open_snapshot(snap: SnapshotDir, report: VerifyReport, check_hashes: bool = True) -> VerifyReport:
+def check_open_snapshot(snap: SnapshotDir, report: VerifyReport, check_hashes: bool = True,
+                        mapped: bool = False) -> VerifyReport:
     """The checks of :func:`verify_snapshot` on an open directory, recorded in ``report``."""
     try:
-        _check(snap, report, check_hashes)
+        _check(snap, report, check_hashes, mapped)
     except Unreadable as e:  # the directory itself failed midway (removed, permissions changed)
         report.fail(f"{snap.path}: {e}")
     return report.finish()
@@ -82,7 +84,7 @@ def check_open_snapshot(snap: SnapshotDir, report: VerifyReport, check_hashes: b
 Expected = Tuple[Optional[int], Optional[Tuple[str, str]]]  # (bytes, (algorithm, digest)); None where unusable
 
 
-def _check(snap: SnapshotDir, report: VerifyReport, check_hashes: bool) -> None:
+def _check(snap: SnapshotDir, report: VerifyReport, check_hashes: bool, mapped: bool = False) -> None:
     manifest = _load_object(snap, MANIFEST, report)
     files = None if manifest is None else _manifest_files(manifest, report)
     if files is None:
@@ -92,7 +94,7 @@ def _check(snap: SnapshotDir, report: VerifyReport, check_hashes: bool) -> None:
     index = None if single else _load_index(snap, files, shards, report)
     headers = {}
     for name, expected in sorted(files.items()):
-        entries = _check_file(snap, name, expected, report, check_hashes)
+        entries = _check_file(snap, name, expected, report, check_hashes, mapped)
         if entries is not None:
             headers[name] = entries
     for name in snap.names():
@@ -196,16 +198,17 @@ def _load_index(snap, files, shards, report) -> Optional[Tuple[Dict[str, str], O
     return out, declared
 
 
-def _digest(f, algorithm: str) -> str:
+def _digest(f, algorithm: str, mapped: bool = False) -> str:
     """The file's digest from its start; a checksum this environment cannot compute is reported as such."""
     f.seek(0)
     try:
-        return checksum.digest_of_stream(f, algorithm)
+        return checksum.digest_of_mapped(f, algorithm) if mapped else checksum.digest_of_stream(f, algorithm)
     except ValueError as e:
         return f"cannot be computed here: {e}"
 
 
-def _check_file(snap, name: str, expected: Expected, report: VerifyReport, check_hashes: bool) -> Optional[dict]:
+def _check_file(snap, name: str, expected: Expected, report: VerifyReport, check_hashes: bool,
+                mapped: bool = False) -> Optional[dict]:
     """Size and checksum of one listed file; for a shard, its header entries (None if unreadable)."""
     size_expected, digest = expected
     name_ = label(name)
@@ -221,7 +224,7 @@ def _check_file(snap, name: str, expected: Expected, report: VerifyReport, check
             report.bytes += size
             if size_expected is not None and size != size_expected:
                 report.fail(f"{name_}: {size} bytes, the manifest says {size_expected}")
-            elif check_hashes and digest is not None and _digest(f, digest[0]) != digest[1].lower():
+            elif check_hashes and digest is not None and _digest(f, digest[0], mapped) != digest[1].lower():
                 report.fail(f"{name_}: {digest[0]} differs from the manifest (the file was changed or damaged)")
             if not name.endswith(".safetensors"):
                 return None
