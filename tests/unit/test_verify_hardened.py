@@ -431,7 +431,8 @@ def test_a_snapshot_is_hashed_once_per_run(tmp_path, monkeypatch):
     out = build_output_dir(tmp_path / "out", steps=(1,))
     calls = []
     real = verify._digest
-    monkeypatch.setattr("paddle_fullparam_callbacks.export.verify.snapshot._digest", lambda f, a: calls.append(1) or real(f, a))
+    monkeypatch.setattr("paddle_fullparam_callbacks.export.verify.snapshot._digest",
+                        lambda f, a, *more: calls.append(1) or real(f, a, *more))
     cache = {}
     for p in (out, out / "hf-step-000001", out / "latest"):
         assert verify_path(p, cache=cache).ok
