@@ -90,11 +90,45 @@ def round_to_float32(x: Fraction) -> np.float32:
 
 
 def exact_sum_float32(a_row: np.ndarray, b_col: np.ndarray) -> np.float32:
-    """One element by the rule, with exact rationals (the slow path, and the definition)."""
+    """One element by the rule, exactly (the slow path, and the definition): each product of two float32 is exact
+    in float64, an integer times a power of two; their sum is one integer at the lowest power, rounded by hand."""
     if not (np.all(np.isfinite(a_row)) and np.all(np.isfinite(b_col))):
         with np.errstate(invalid="ignore", over="ignore"):
             return np.float32(np.dot(a_row.astype(np.float64), b_col.astype(np.float64)))
-    return round_to_float32(sum((Fraction(float(x)) * Fraction(float(y)) for x, y in zip(a_row, b_col)), Fraction(0)))
+    terms = []
+    for x, y in zip(a_row.tolist(), b_col.tolist()):
+        m, e = math.frexp(x * y)  # x * y = m * 2^e exactly (24 + 24 bits fit float64's 53)
+        if m:
+            terms.append((int(m * 2.0**53), e - 53))
+    if not terms:
+        return np.float32(0.0)
+    low = min(e for _, e in terms)
+    return _round_scaled(sum(m << (e - low) for m, e in terms), low)
+
+
+def _round_scaled(n: int, e: int) -> np.float32:
+    """The float32 nearest to ``n * 2^e`` (ties to even; +0.0 for zero, infinity beyond the largest float32).
+
+    >>> float(_round_scaled(2**24 + 1, -24)), float(_round_scaled(2**24 + 3, -24))  # ties: to even
+    (1.0, 1.000000238418579)
+    """
+    if n == 0:
+        return np.float32(0.0)
+    sign, n = (-1.0 if n < 0 else 1.0), abs(n)
+    q = max(n.bit_length() + e - 24, -149)  # the exponent of the result's last bit (subnormals: 2^-149)
+    shift = q - e
+    if shift > 0:
+        keep, rem = n >> shift, n & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        if rem > half or (rem == half and keep & 1):
+            keep += 1
+    else:
+        keep = n << -shift
+    if keep == 0:
+        return np.float32(0.0)  # an exact zero is +0.0, and so is a sum that rounds to zero
+    if keep * 2.0**q >= 2.0**128:
+        return np.float32(sign * np.inf)
+    return np.float32(sign * math.ldexp(keep, q))
 
 
 def _lowest_bit_exponents(x: np.ndarray) -> np.ndarray:
