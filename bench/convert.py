@@ -203,6 +203,8 @@ def main():
     if ns.make:
         print(json.dumps(make_checkpoint(Path(ns.make))))
         return
+    if ns.before:
+        ns.before = str(C.existing_tree(ns.before))
     if ns.variant:
         print(json.dumps(child(ns.variant, Path(ns.root), Path(ns.out))))
         return

@@ -193,6 +193,8 @@ def main(argv=None) -> int:
     if args.variant:
         print(json.dumps(child(args.variant, args.out)), flush=True)
         return 0
+    if args.before:
+        args.before = C.existing_tree(args.before)
     res = run_all(max(1, args.reps), [g for g in args.regimes.split(",") if g],
                   [v for v in args.variants.split(",") if v], args.result, args.quiet_wait, args.before)
     print_table(res)
