@@ -139,6 +139,9 @@ def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float, 
                                       for k in rs[0]["timings"]} for v, rs in rr.items()},
                "foreign_cpu_fraction": {v: [r["cpu"]["foreign_fraction"] for r in rs] for v, rs in rr.items()},
                "loadavg_1min": {v: [round(r["loadavg"][0], 2) for r in rs] for v, rs in rr.items()},
+               # the export's own CPU seconds (all its threads): what a busy machine's wall times hide
+               "own_cpu_s": {v: [r["cpu"]["own_cpu_s"] for r in rs] for v, rs in rr.items()},
+               "own_cpu_s_median": {v: round(C.median([r["cpu"]["own_cpu_s"] for r in rs]), 3) for v, rs in rr.items()},
                "writer_threads_s": {v: {k: round(C.median([r["writer"].get(k, 0.0) for r in rs]), 4)
                                         for k in ("copy_s", "fill_s", "hash_s", "write_s", "fsync_s", "pool_wait_s",
                                                   "put_wait_s") if any(k in r["writer"] for r in rs)}
