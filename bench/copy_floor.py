@@ -140,7 +140,7 @@ def child(variant: str, size: str, out: Path, src: Path) -> dict:
     raise SystemExit(f"unknown variant {variant!r}")
 
 
-def run_all(sizes, reps: int, result_path: Path, before=None) -> dict:
+def run_all(sizes, reps: int, result_path: Path, before=None, quiet_wait: float = 120.0) -> dict:
     work = Path(tempfile.mkdtemp(prefix="pfc-copyfloor-", dir=DISK))
     res = {"benchmark": "copy_floor", "disk": DISK, "repetitions": reps, "sizes": {}, "quiet_checks": [],
            "before_tree": str(before) if before else None}
@@ -154,7 +154,7 @@ def run_all(sizes, reps: int, result_path: Path, before=None) -> dict:
                 for v in variants:
                     out = work / f"out-{size}-{v}"
                     os.sync()
-                    q = C.wait_quiet(120)
+                    q = C.wait_quiet(quiet_wait)
                     res["quiet_checks"].append(q)
                     env = dict(os.environ, PYTHONPATH=str(before)) if v == "ours_before" else None
                     try:
@@ -214,12 +214,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=C.tiny(3, 1))
     ap.add_argument("--result", type=Path, default=RESULT_PATH)
     ap.add_argument("--before", help="a checkout of another tree: its export runs in the same rounds (ours_before)")
+    ap.add_argument("--quiet-wait", type=float, default=120.0, help="at most this long to wait for idle CPUs per child")
     args = ap.parse_args(argv)
     if args.variant:
         print(json.dumps(child(args.variant, args.size, args.out, args.src)), flush=True)
         return 0
     before = C.existing_tree(args.before) if args.before else None
-    res = run_all([s for s in args.sizes.split(",") if s], max(1, args.reps), args.result, before)
+    res = run_all([s for s in args.sizes.split(",") if s], max(1, args.reps), args.result, before, args.quiet_wait)
     for size, r in res["sizes"].items():
         print(f"{size}: " + ", ".join(f"{v} {s:.3f} s" for v, s in r["seconds"].items()) +
               f"; ours / cp = {r['median_paired_ratio_vs_cp']} (paired), ours / pwrite = {r['median_paired_ratio_vs_pwrite']}")
