@@ -39,7 +39,7 @@ BENCHES = {
                       ("regimes", "tmpfs", "speedup_2_threads_vs_1"): None,
                       ("regimes", "tmpfs", "peak_extra_rss_fraction", "ours"): None,
                       ("regimes", "tmpfs", "breakdown_ours", "writer", "hash_s"): None,
-                      ("regimes", "disk", "seconds", "paddleformers"): None,
+                      ("regimes", "disk", "seconds", "paddleformers"): None, ("regimes", "disk", "seconds", "raw"): None,
                       ("facts", "writes_256MB", "tmpfs", "pwrite_page_cache_gb_s"): None},
     "assembler": {("routed_max_received_over_writes",): None, ("routed_received_over_snapshot_mp2",): None,
                   ("routed_over_seed_seconds_4ranks",): None, ("plan_50k_seconds",): None, ("replan_50k_seconds",): None,
