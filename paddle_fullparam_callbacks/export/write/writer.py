@@ -32,6 +32,7 @@ from . import checksum
 from .fsync import fsync_dir
 from .pipeline import BlockPool, Countdown, Piece, Pipeline, Stopped
 from .stats import WriterStats
+from .order import ReceivedInOrder
 from .syscalls import allocate, pwrite_all
 
 # Sizes, read when a writer starts (module globals: the tests make them tiny).
@@ -226,7 +227,7 @@ class SnapshotWriter:
         self._states: dict = {}
         self._results: dict = {}
         self._received: set = set()
-        self._prefix: dict = {}  # file index -> [names in file order, name -> position, tensors handed over in order]
+        self._in_order = ReceivedInOrder(self.files, self._received)
         self._error: Optional[BaseException] = None
         self._aborted = False
         self._cv = threading.Condition()
@@ -270,7 +271,7 @@ class SnapshotWriter:
         if zero_row is not None and not (array.ndim and 0 <= zero_row < len(array)):
             raise ValueError(f"tensor {name!r}: row {zero_row} to zero is not a row of {list(array.shape)}")
         self._received.add(name)
-        self._note_received(slot)
+        self._in_order.note(slot)
         n = array.nbytes
         t = time.perf_counter()
         with self._cv:
@@ -288,22 +289,9 @@ class SnapshotWriter:
             return
         self._queue.put((slot, array, release, zero_row))
 
-    def _note_received(self, slot: TensorSlot) -> None:
-        """Keep, per file, how many of its tensors in file order have all been handed over."""
-        prefix = self._prefix.get(slot.file_index)
-        if prefix is None:
-            order = [s.name for s in sorted(self.files[slot.file_index].slots, key=lambda s: s.begin)]
-            prefix = self._prefix[slot.file_index] = [order, {n: i for i, n in enumerate(order)}, 0]
-        order = prefix[0]
-        while prefix[2] < len(order) and order[prefix[2]] in self._received:
-            prefix[2] += 1
-
     def will_write(self, name: str) -> bool:
-        """Whether tensor ``name``, handed over, is written (and its ``release`` called) without any tensor
-        handed over after it: every tensor before it in its file has been handed over too. (Producer side.)"""
-        slot = self.plan.slots.get(name)
-        prefix = self._prefix.get(slot.file_index) if slot is not None else None
-        return prefix is not None and prefix[1].get(name, len(prefix[0])) < prefix[2]
+        """Whether tensor ``name`` is written without more tensors handed over (``order.ReceivedInOrder``)."""
+        return self._in_order.complete_through(name)
 
     def wait_for_room(self, nbytes: int) -> None:
         """Block until ``put`` of ``nbytes`` would not wait: for a producer that reads its next tensor
