@@ -332,6 +332,45 @@ def write_result(path: Path, result: dict) -> None:
     write_json(path, result)
 
 
+class MissingInput(SystemExit):
+    """A benchmark's input (another benchmark's JSON, a key in it, a tree to compare with) is not there: the
+    benchmark stops with a message naming it and what makes it (never figures of its own in its place)."""
+
+
+def read_input(name: str, *keys, made_by: str = ""):
+    """``RESULTS_DIR/name``'s JSON, or the value at ``keys`` in it; a :class:`MissingInput` naming the file, the key
+    and ``made_by`` (the benchmark that writes it) when either is missing.
+
+    >>> try:
+    ...     read_input("no_such.json", made_by="bench/nothing.py")
+    ... except MissingInput as e:
+    ...     print("no_such.json is missing (bench/nothing.py writes it" in str(e))
+    True
+    """
+    path = RESULTS_DIR / name
+    hint = f" ({made_by} writes it; run it first, or point PFC_BENCH_RESULTS at its results)" if made_by else ""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise MissingInput(f"{Path(sys.argv[0]).name}: input {path} is missing{hint}: {type(e).__name__}: {e}") from e
+    for i, k in enumerate(keys):
+        try:
+            value = value[k]
+        except (KeyError, IndexError, TypeError) as e:
+            at = "".join(f"[{x!r}]" for x in keys[:i + 1])
+            raise MissingInput(f"{Path(sys.argv[0]).name}: input {path} has no {at}{hint}") from e
+    return value
+
+
+def existing_tree(path) -> Path:
+    """An argument naming another checkout (``--before``): it must hold the package, else a MissingInput."""
+    tree = Path(path).resolve()
+    if not (tree / "paddle_fullparam_callbacks" / "__init__.py").is_file():
+        raise MissingInput(f"{Path(sys.argv[0]).name}: {tree} is not a checkout of this package "
+                           "(no paddle_fullparam_callbacks/__init__.py)")
+    return tree
+
+
 def run_child(argv: List[str], timeout: float = 900, env: Optional[dict] = None) -> dict:
     """Run ``python argv...`` in a fresh process (``env``: its environment, default this one's); its last
     stdout line must be a JSON object."""

@@ -19,6 +19,10 @@ Variants, each in a fresh process, interleaved a, b, c, a, b, c, ...:
 * ``convert_workers2``: the same with ``workers=2`` (time only: the workers are other processes);
 * ``raw_copy``: the checkpoint's data files copied by the kernel (``copy_file_range``) into one
   file, then ``fsync``: the floor of reading and writing the same bytes;
+* ``convert_cold``: ``convert`` as the first conversion of this model on a machine: an empty folder of model
+  descriptions (``convert/described.py``), so it imports the model class and builds the lazy model; ``convert``
+  finds the description an untimed conversion before the rounds kept (issue 42: what every later conversion of the
+  model does);
 * ``convert_before`` (with ``--before TREE``): ``convert`` of that tree's package, in the same rounds
   (``before``: its figures beside this tree's, paired with the same raw copies).
 
@@ -54,7 +58,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-VARIANTS = ("convert", "convert_workers2", "raw_copy")
+VARIANTS = ("convert", "convert_cold", "convert_workers2", "raw_copy")
 RESULT_PATH = C.RESULTS_DIR / "convert.json"
 
 
@@ -203,6 +207,8 @@ def main():
     if ns.make:
         print(json.dumps(make_checkpoint(Path(ns.make))))
         return
+    if ns.before:
+        ns.before = str(C.existing_tree(ns.before))
     if ns.variant:
         print(json.dumps(child(ns.variant, Path(ns.root), Path(ns.out))))
         return
@@ -210,6 +216,10 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="pfc_bench_convert_"))
     try:
         facts = C.run_child([__file__, "--make", str(work / "src")])
+        cache = work / "descriptions"  # convert's model descriptions: kept by one untimed conversion first
+        C.run_child([__file__, "--variant", "convert", "--root", str(work / "src"), "--out", str(work / "warm")],
+                    env=dict(os.environ, PADDLE_FULLPARAM_CACHE_DIR=str(cache)))
+        shutil.rmtree(work / "warm", ignore_errors=True)
         variants = VARIANTS + (("convert_before",) if ns.before else ())
         runs = {v: [] for v in variants}
         quiet = []
@@ -218,9 +228,13 @@ def main():
                 out = work / f"out-{v}-{rep}"
                 os.sync()
                 quiet.append(C.wait_quiet(180))
-                env = dict(os.environ, PYTHONPATH=str(Path(ns.before).resolve())) if v == "convert_before" else None
-                r = C.run_child([__file__, "--variant", "convert" if env else v, "--root", str(work / "src"),
-                                 "--out", str(out)], env=env)
+                cold = work / f"descriptions-{v}-{rep}"  # empty: the first conversion of the model
+                env = dict(os.environ, PADDLE_FULLPARAM_CACHE_DIR=str(cold if v != "convert" else cache))
+                if v == "convert_before":
+                    env["PYTHONPATH"] = str(Path(ns.before).resolve())
+                r = C.run_child([__file__, "--variant", "convert" if v in ("convert_before", "convert_cold") else v,
+                                 "--root", str(work / "src"), "--out", str(out)], env=env)
+                r["loadavg"] = os.getloadavg()
                 runs[v].append(r)
                 shutil.rmtree(out, ignore_errors=True)
                 extra = r["rss_extra"]
@@ -255,6 +269,13 @@ def main():
         "quiet_checks": {"busy_runs": sum(not q["quiet"] for q in quiet),
                          "max_waited_s": max(q["waited_s"] for q in quiet)},
         "ratio_workers2_vs_raw_copy": med["raw_copy"] / med["convert_workers2"],
+        # the first conversion of the model on a machine (no description kept yet: the model class imported)
+        "median_paired_ratio_cold_vs_raw_copy": round(C.median([a["seconds"] / b["seconds"] for a, b in
+                                                                zip(runs["raw_copy"], runs["convert_cold"])]), 3),
+        "peak_extra_rss_ratio_cold": round(max(r["rss_extra"]["VmRSS"] for r in runs["convert_cold"])
+                                           / sum(facts["checkpoint_files"].values()), 4),
+        "prepare_s_cold": [round(r["prepare_s"], 3) for r in runs["convert_cold"]],
+        "loadavg_1min": {v: [round(r["loadavg"][0], 2) for r in runs[v]] for v in variants},
         "peak_extra_rss_bytes": peak,
         "peak_extra_rss_bound_bytes": bound,
         "target": "peak extra RSS (VmRSS) <= 0.1 x model bytes + largest tensor",

@@ -6,6 +6,10 @@ Run (about 10 minutes; waits for idle CPUs before each child)::
     PY=$(scripts/env.sh paddleformers)
     $PY bench/copy_floor.py                       # 3 interleaved repetitions -> bench/results/copy_floor.json
     $PY bench/copy_floor.py --sizes 0.67GB --reps 5
+    git worktree add --detach /tmp/before <commit> && $PY bench/copy_floor.py --sizes 2.75GB --before /tmp/before
+
+With ``--before TREE``, ``ours_before`` (that tree's package: its process's ``PYTHONPATH``) runs in the same rounds
+as ``ours``: a regression between two trees is told apart from the disk's moods (``ratio_vs_before``).
 
 Models: PaddleFormers Llamas in float32, built with ``paddle.seed(0)``: ``0.67GB`` is the single-process
 benchmarks' (hidden 1024, 8 layers, vocab 32000); ``2.75GB`` has hidden 2048, intermediate 5504, 11 layers,
@@ -136,25 +140,29 @@ def child(variant: str, size: str, out: Path, src: Path) -> dict:
     raise SystemExit(f"unknown variant {variant!r}")
 
 
-def run_all(sizes, reps: int, result_path: Path) -> dict:
+def run_all(sizes, reps: int, result_path: Path, before=None, quiet_wait: float = 120.0) -> dict:
     work = Path(tempfile.mkdtemp(prefix="pfc-copyfloor-", dir=DISK))
-    res = {"benchmark": "copy_floor", "disk": DISK, "repetitions": reps, "sizes": {}, "quiet_checks": []}
+    res = {"benchmark": "copy_floor", "disk": DISK, "repetitions": reps, "sizes": {}, "quiet_checks": [],
+           "before_tree": str(before) if before else None}
+    variants = VARIANTS + (("ours_before",) if before else ())
     try:
         for size in sizes:
             prep = C.run_child([__file__, "--variant", "prepare", "--size", size, "--out", str(work / f"src-{size}")])
             src = Path(prep["path"])
-            runs = {v: [] for v in VARIANTS}
+            runs = {v: [] for v in variants}
             for rep in range(reps):
-                for v in VARIANTS:
+                for v in variants:
                     out = work / f"out-{size}-{v}"
                     os.sync()
-                    q = C.wait_quiet(120)
+                    q = C.wait_quiet(quiet_wait)
                     res["quiet_checks"].append(q)
+                    env = dict(os.environ, PYTHONPATH=str(before)) if v == "ours_before" else None
                     try:
-                        r = C.run_child([__file__, "--variant", v, "--size", size, "--out", str(out), "--src", str(src)])
+                        r = C.run_child([__file__, "--variant", v.replace("_before", ""), "--size", size, "--out",
+                                         str(out), "--src", str(src)], env=env)
                     finally:
                         shutil.rmtree(out, ignore_errors=True)
-                    r["quiet"] = q
+                    r["quiet"], r["loadavg"] = q, os.getloadavg()
                     runs[v].append(r)
                     print(f"{size} rep {rep + 1}/{reps} {v:>7}: {r['seconds']:6.3f} s ({r['bytes'] / 1e9 / r['seconds']:.2f} "
                           f"GB/s), others used {r['cpu']['foreign_fraction']:.0%} of the CPUs", flush=True)
@@ -175,7 +183,16 @@ def run_all(sizes, reps: int, result_path: Path) -> dict:
                 "ours_writer_median": {k: round(C.median([r["writer_stats"].get(k, 0) for r in w]), 4)
                                        for k in sorted({k for r in w for k in r["writer_stats"]})},
                 "foreign_cpu_fraction": {v: [r["cpu"]["foreign_fraction"] for r in rs] for v, rs in runs.items()},
+                "loadavg_1min": {v: [round(r["loadavg"][0], 2) for r in rs] for v, rs in runs.items()},
             }
+            if before:
+                b = runs["ours_before"]
+                pb = [round(c["seconds"] / o["seconds"], 3) for c, o in zip(runs["cp"], b)]
+                res["sizes"][size].update(
+                    before_median_paired_ratio_vs_cp=round(C.median(pb), 3), before_all_ratio_vs_cp=pb,
+                    ratio_vs_before=[round(o["seconds"] / x["seconds"], 3) for o, x in zip(runs["ours"], b)],
+                    before_writer_median={k: round(C.median([r["writer_stats"].get(k, 0) for r in b]), 4)
+                                          for k in sorted({k for r in b for k in r["writer_stats"]})})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     big = res["sizes"].get("2.75GB")
@@ -196,11 +213,14 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=C.tiny(",".join(SIZES), TINY_SIZES))
     ap.add_argument("--reps", type=int, default=C.tiny(3, 1))
     ap.add_argument("--result", type=Path, default=RESULT_PATH)
+    ap.add_argument("--before", help="a checkout of another tree: its export runs in the same rounds (ours_before)")
+    ap.add_argument("--quiet-wait", type=float, default=120.0, help="at most this long to wait for idle CPUs per child")
     args = ap.parse_args(argv)
     if args.variant:
         print(json.dumps(child(args.variant, args.size, args.out, args.src)), flush=True)
         return 0
-    res = run_all([s for s in args.sizes.split(",") if s], max(1, args.reps), args.result)
+    before = C.existing_tree(args.before) if args.before else None
+    res = run_all([s for s in args.sizes.split(",") if s], max(1, args.reps), args.result, before, args.quiet_wait)
     for size, r in res["sizes"].items():
         print(f"{size}: " + ", ".join(f"{v} {s:.3f} s" for v, s in r["seconds"].items()) +
               f"; ours / cp = {r['median_paired_ratio_vs_cp']} (paired), ours / pwrite = {r['median_paired_ratio_vs_pwrite']}")

@@ -159,41 +159,30 @@ FORMULA = ("T = t_plan + max(t_net, t_cpu, t_disk) + t_commit;  t_plan = tensors
            "stream side by side (bounded by export.max_pending_bytes), so the slowest of the three sets the time.")
 
 
-def _load(name: str) -> dict:
-    try:
-        return json.loads((C.RESULTS_DIR / name).read_text())
-    except (OSError, ValueError):
-        return {}
+ASSEMBLY_CASE = "mp2xpp2"  # bench/assembler.py's 4-rank case (its tiny run has it too)
 
 
 def _measured_inputs(ranks_out: dict) -> dict:
-    """Per-rank figures measured on this machine (the JSONs of the other benchmarks where present)."""
-    asm, single = _load("assembler.json"), _load("export_single.json")
-    inp = {}
-    try:
-        large = asm["assembly"]["cases"]["large"]
-        v = large["variants"]
-        gb = large["global_bytes"] / GB
-        inp["assembly_gb_s_per_rank"] = {
-            f"builtin_bucket_{name}": round(gb / v[key]["median_seconds_max_over_ranks"], 3)
-            for name, key in (("2MB", "builtin"), ("8MB", "builtin_bucket8MB"), ("128MB", "builtin_bucket128MB"))}
-        inp["assembly_gb_s_per_rank"]["paddle_full_param"] = round(gb / v["paddle"]["median_seconds_max_over_ranks"], 3)
-        small = asm["assembly"]["cases"]["small"]
-        inp["assembly_small_tensors_gb_s"] = {
-            "builtin": round(small["global_bytes"] / GB / small["variants"]["builtin"]["median_seconds_max_over_ranks"], 4),
-            "paddle_full_param": round(small["global_bytes"] / GB / small["variants"]["paddle"]["median_seconds_max_over_ranks"], 4)}
-        pl = asm["planner"]
-        inp["plan_s_per_1000_tensors"] = round(pl["plan_50k_seconds"] / pl["tensors"] * 1000, 4)
-        inp["replan_s_per_1000_tensors"] = round(pl["replan_50k_seconds"] / pl["tensors"] * 1000, 5)
-    except (KeyError, TypeError, ZeroDivisionError):
-        pass
-    regimes = single.get("regimes", {})
-    if "tmpfs" in regimes:
-        inp["writer_gb_s_per_process_cpu_bound"] = regimes["tmpfs"]["throughput_gb_s"].get("ours")
-        inp["raw_page_cache_gb_s_per_process"] = regimes["tmpfs"]["throughput_gb_s"].get("raw")
-    if "disk" in regimes:
-        inp["disk_raw_gb_s"] = regimes["disk"]["throughput_gb_s"].get("raw")
-        inp["paddleformers_save_gb_s_per_process"] = regimes["disk"]["throughput_gb_s"].get("paddleformers")
+    """Per-rank figures measured on this machine, from the JSONs of bench/assembler.py and bench/export_single.py
+    (a missing file or figure stops the benchmark: the model never falls back to figures of its own)."""
+    need = lambda name, *keys: C.read_input(name, *keys, made_by=f"bench/{name.split('.')[0]}.py")  # noqa: E731
+    case = need("assembler.json", "assembly", "cases", ASSEMBLY_CASE)
+    inp = {"assembly_case": f"{ASSEMBLY_CASE} ({case['ranks']} ranks, routed and Paddle's full_param)",
+           "assembly_gb_s_per_rank": {}}
+    for name, variant in (("routed", "routed"), ("paddle_full_param", "paddle")):
+        at = ("assembly", "cases", ASSEMBLY_CASE, "variants", variant)
+        per_rank, seconds = need("assembler.json", *at, "per_rank"), need("assembler.json", *at, "median_seconds")
+        # a rank's rate: what it received (the kernel's count, its sockets) over the slowest rank's time
+        received = max(need("assembler.json", *at, "per_rank", r, "kernel_received") for r in per_rank)
+        inp["assembly_gb_s_per_rank"][name] = round(received / GB / seconds, 3)
+    pl = need("assembler.json", "planner")
+    inp["plan_s_per_1000_tensors"] = round(pl["plan_50k_seconds"] / pl["tensors"] * 1000, 4)
+    inp["replan_s_per_1000_tensors"] = round(pl["replan_50k_seconds"] / pl["tensors"] * 1000, 5)
+    rate = lambda regime, variant: need("export_single.json", "regimes", regime, "throughput_gb_s", variant)  # noqa: E731
+    inp["writer_gb_s_per_process_cpu_bound"] = rate("tmpfs", "ours")
+    inp["raw_page_cache_gb_s_per_process"] = rate("tmpfs", "raw")
+    inp["disk_raw_gb_s"] = rate("disk", "raw")
+    inp["paddleformers_save_gb_s_per_process"] = rate("disk", "paddleformers")
     for regime, r in ranks_out.get("regimes", {}).items():
         inp[f"dp4_aggregate_gb_s_{regime}"] = {v: r["variants"][v]["aggregate_gb_s"] for v in ("ours", "raw")}
     return inp
@@ -215,18 +204,30 @@ def _predict(cfg: dict, rates: dict) -> dict:
     return t
 
 
+def _routed_bytes(dp: int, pp: int, mp: int, per_node: int) -> dict:
+    """The most bytes one rank receives inside its node and across nodes for Llama-2-70B in bfloat16 (5GB files)."""
+    from paddle_fullparam_callbacks.plan.model_shapes import preset
+    from paddle_fullparam_callbacks.plan.prediction import predict
+    from paddle_fullparam_callbacks.plan.topology import plan_topology
+
+    topo = plan_topology([("data", dp), ("pipe", pp), ("sharding", 1), ("sep", 1), ("expert", 1), ("model", mp)])
+    shapes, dtype = preset("Llama-2-70B")
+    ranks = predict(shapes, "bfloat16", topo, 5 * 10**9, {r: r // per_node for r in range(topo.world_size)})["ranks"]
+    across = max(t.get("received_cross_node", 0) for t in ranks.values())
+    inside = max(t.get("received", 0) - t.get("received_cross_node", 0) for t in ranks.values())
+    return {"inter_bytes": float(across), "intra_bytes": float(inside)}
+
+
 def build_scaling_model(ranks_out: dict) -> dict:
     B = 70e9 * 2  # 70B parameters, bfloat16
     tensors = 80 * 9 + 3  # Llama-2-70B: 80 layers x (q, k, v, o, gate, up, down, 2 norms) + embeddings, norm, head
     nodes, per_node, ranks = 8, 8, 64
     w_rank = B / ranks
     topo = {
-        # ours, mp8 x pp8: one mesh of 64 ranks assembles everything; each slice goes down its column
-        # (across nodes) to every stage, then along every row (inside a node): every rank receives
-        # about B (7/8 of its column's share across nodes); files spread over all 64 ranks
-        "ours_mp8xpp8": {"inter_bytes": B * 7 / 8 / 8, "intra_bytes": B},
-        # ours, dp8 x mp8: 8 meshes (one node each) assemble an eighth each, inside the node only
-        "ours_dp8xmp8": {"inter_bytes": 0.0, "intra_bytes": B / 8},
+        # ours (the routed schedule, the default): the most any rank receives inside its node and across nodes,
+        # as `paddle-fullparam plan --model Llama-2-70B` predicts it (each byte a writer lacks, once)
+        "ours_mp8xpp8": _routed_bytes(1, 8, 8, per_node),
+        "ours_dp8xmp8": _routed_bytes(8, 1, 8, per_node),
         # PaddleFormers save_pretrained(flex_checkpoint): full_param over the whole world (one group:
         # an all_gather of every tensor through all 64 ranks, across nodes, replicas included: each
         # rank's NIC carries about B), then savers i % 64 == rank write round-robin (safetensors.save_file)
@@ -235,13 +236,10 @@ def build_scaling_model(ranks_out: dict) -> dict:
     for c in topo.values():
         c.update(tensors=tensors, write_bytes_rank=w_rank, write_bytes_node=w_rank * per_node)
     m = _measured_inputs(ranks_out)
-    here_asm = m.get("assembly_gb_s_per_rank", {})
-    here = {"plan_s_per_1000": m.get("plan_s_per_1000_tensors", 0.3),
-            "assembly": here_asm.get("builtin_bucket_2MB", 0.45) * GB,
-            "writer": (m.get("writer_gb_s_per_process_cpu_bound") or 1.3) * GB,
-            "disk_node": (m.get("disk_raw_gb_s") or 0.7) * GB}
-    here_pf = dict(here, assembly=here_asm.get("paddle_full_param", 0.12) * GB,
-                   writer=(m.get("paddleformers_save_gb_s_per_process") or 0.12) * GB)
+    here = {"plan_s_per_1000": m["plan_s_per_1000_tensors"], "assembly": m["assembly_gb_s_per_rank"]["routed"] * GB,
+            "writer": m["writer_gb_s_per_process_cpu_bound"] * GB, "disk_node": m["disk_raw_gb_s"] * GB}
+    here_pf = dict(here, assembly=m["assembly_gb_s_per_rank"]["paddle_full_param"] * GB,
+                   writer=m["paddleformers_save_gb_s_per_process"] * GB)
     clusters = {
         "100Gb/s links, 2 NVMe per node": {"link_inter": 12.5 * GB, "link_intra": 100 * GB, "disk_node": 6 * GB},
         "400Gb/s links, 4 NVMe per node": {"link_inter": 50 * GB, "link_intra": 100 * GB, "disk_node": 12 * GB},
@@ -328,6 +326,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="x", help="(launched) directory tag shared by the ranks")
     ap.add_argument("--reps", type=int, default=C.tiny(5, 1))
     ap.add_argument("--regimes", default="tmpfs,disk")
+    ap.add_argument("--model-only", action="store_true",
+                    help="only the scaling model, from the recorded JSON (--result) and the other benchmarks' JSONs")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--result", type=Path, default=RESULT_PATH)
     args = ap.parse_args(argv)
@@ -341,6 +341,15 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO / "tests" / "multirank"))
     import harness
 
+    _measured_inputs({})  # the scaling model's inputs, checked before the launch: a missing one stops the run here
+    if args.model_only:  # the scaling model again, from this benchmark's recorded JSON and today's inputs
+        out = C.read_input(args.result.name, made_by="bench/export_ranks.py") if args.result.parent == C.RESULTS_DIR \
+            else json.loads(args.result.read_text())
+        out["scaling_model"] = build_scaling_model(out)
+        out["scaling_model"]["recomputed"] = f"--model-only on {C.now_iso()} (the dp4 runs are the recorded ones)"
+        C.write_json(args.result, out)
+        print_scaling_model(out["scaling_model"])
+        return 0
     quiet = C.wait_quiet(120)
     log_dir = tempfile.mkdtemp(prefix="pfc_bench_ranks_")
     tag = f"{os.getpid()}"

@@ -291,8 +291,9 @@ def _runs_of(regimes, variants):
         for v in variants:
             if v == "paddleformers" and regime not in PF_REGIMES:
                 continue
-            if C.TINY and v != "paddleformers" and regime != next(iter(regimes)):
-                continue  # tiny: the other regimes' variants are the first one's code again
+            if C.TINY and v not in ("paddleformers", "raw") and regime != next(iter(regimes)):
+                continue  # tiny: the other regimes' variants are the first one's code again (the raw write is the
+                # regime's own rate, which bench/export_ranks.py's scaling model reads)
             yield regime, v
 
 

@@ -6,6 +6,10 @@ Run (about 3 minutes; waits for the machine to be idle before each child)::
     PY=$(scripts/env.sh paddleformers)
     $PY bench/lora_merge.py                  # 3 interleaved repetitions -> bench/results/lora_merge.json
     $PY bench/lora_merge.py --reps 5 --regimes tmpfs
+    git worktree add --detach /tmp/before <commit> && $PY bench/lora_merge.py --before /tmp/before
+
+With ``--before TREE`` every variant also runs with that tree's package (``<variant>_before``, its process's
+``PYTHONPATH`` the tree), in the same rounds: paired ratios, before against after, on one machine state.
 
 The model is ``export_single.py``'s ~673 MB float32 PaddleFormers Llama (8 layers, hidden 1024,
 vocab 32000, untied head; ``_common.build_llama(seed=0)``). Variants, each in its own fresh process:
@@ -80,6 +84,7 @@ def child(variant: str, out: Path) -> dict:
     source = build_model_source(model, cfg)
     gc.collect()
     C.trim_heap()
+    stats = C.record_writer_stats()
     with C.RssSampler(0.002) as s, C.CpuShare() as cpu:
         t0 = time.perf_counter()
         info = session.export(source, step=1)
@@ -88,10 +93,13 @@ def child(variant: str, out: Path) -> dict:
     return {"variant": variant, "model_bytes": model_bytes, "seconds": seconds, "snapshot_bytes": info.bytes,
             "timings": dict(info.timings), "peak_pending_bytes": info.peak_pending_bytes,
             "peak_extra_rss": s.extra, "rss_baseline": s.baseline, "cpu": cpu.as_dict(),
-            "budget": cfg.export.max_pending, "written": C.tree_bytes(info.path)}
+            "budget": cfg.export.max_pending, "written": C.tree_bytes(info.path),
+            "writer": {k: v for k, v in (stats[-1] if stats else {}).items() if isinstance(v, (int, float))}}
 
 
-def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float) -> dict:
+def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float, before=None) -> dict:
+    if before:
+        variants = [x for v in variants for x in (v, v + "_before")]
     runs = {(g, v): [] for g in regimes for v in variants}
     for rep in range(reps):
         for regime in regimes:
@@ -99,12 +107,14 @@ def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float) 
                 tmp = Path(tempfile.mkdtemp(prefix=f"pfc-lora-{v}-", dir=REGIMES[regime]))
                 os.sync()
                 q = C.wait_quiet(quiet_wait)
+                env = dict(os.environ, PYTHONPATH=str(Path(before).resolve())) if v.endswith("_before") else None
                 try:
-                    r = C.run_child([__file__, "--variant", v, "--out", str(tmp / "out")])
+                    r = C.run_child([__file__, "--variant", v.replace("_before", ""), "--out", str(tmp / "out")],
+                                    env=env)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
                     os.sync()
-                r["quiet"] = q
+                r["quiet"], r["loadavg"] = q, os.getloadavg()
                 runs[(regime, v)].append(r)
                 print(f"rep {rep + 1}/{reps} {regime:>5} {v:>14}: {r['seconds']:6.3f} s, peak extra RSS "
                       f"{r['peak_extra_rss'] / 2**20:7.1f} MiB, others used {r['cpu']['foreign_fraction']:.0%} "
@@ -114,7 +124,8 @@ def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float) 
                                                 "config": C.LLAMA_KWARGS},
            "lora": {"r": RANK, "lora_alpha": ALPHA, "targets": "q/k/v/o, gate/up/down (56 layers)"},
            "model_bytes": first["model_bytes"], "budget_bytes": first["budget"], "repetitions": reps,
-           "regime_dirs": {g: REGIMES[g] for g in regimes}, "regimes": {}, "targets": TARGETS, "met": {}}
+           "regime_dirs": {g: REGIMES[g] for g in regimes}, "regimes": {}, "targets": TARGETS, "met": {},
+           "before_tree": str(before) if before else None}
     for regime in regimes:
         rr = {v: runs[(regime, v)] for v in variants}
         sec = {v: C.median([r["seconds"] for r in rs]) for v, rs in rr.items()}
@@ -126,7 +137,20 @@ def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float) 
                "snapshot_bytes": {v: rs[0]["snapshot_bytes"] for v, rs in rr.items()},
                "timings_median": {v: {k: round(C.median([r["timings"][k] for r in rs if k in r["timings"]]), 4)
                                       for k in rs[0]["timings"]} for v, rs in rr.items()},
-               "foreign_cpu_fraction": {v: [r["cpu"]["foreign_fraction"] for r in rs] for v, rs in rr.items()}}
+               "foreign_cpu_fraction": {v: [r["cpu"]["foreign_fraction"] for r in rs] for v, rs in rr.items()},
+               "loadavg_1min": {v: [round(r["loadavg"][0], 2) for r in rs] for v, rs in rr.items()},
+               # the export's own CPU seconds (all its threads): what a busy machine's wall times hide
+               "own_cpu_s": {v: [r["cpu"]["own_cpu_s"] for r in rs] for v, rs in rr.items()},
+               "own_cpu_s_median": {v: round(C.median([r["cpu"]["own_cpu_s"] for r in rs]), 3) for v, rs in rr.items()},
+               "writer_threads_s": {v: {k: round(C.median([r["writer"].get(k, 0.0) for r in rs]), 4)
+                                        for k in ("copy_s", "fill_s", "hash_s", "write_s", "fsync_s", "pool_wait_s",
+                                                  "put_wait_s") if any(k in r["writer"] for r in rs)}
+                                    for v, rs in rr.items()}}
+        for v in sec:  # each variant against the plain export of its own tree, paired in each round
+            base = "plain_before" if v.endswith("_before") else "plain"
+            if v != base and base in sec:
+                res[f"paired_ratio_{v}_vs_{base}"] = round(C.median([a["seconds"] / b["seconds"]
+                                                                     for a, b in zip(rr[v], rr[base])]), 3)
         if "plain" in sec:
             for v in sec:
                 if v != "plain":
@@ -135,6 +159,7 @@ def run_all(reps: int, regimes, variants, result_path: Path, quiet_wait: float) 
                                                              for a, b in zip(rr[v], rr["plain"])]
             if "merged" in sec:
                 out["met"][f"time_ratio.{regime}"] = res["time_ratio_merged_vs_plain"] <= 1.15
+                out["met"][f"paired_time_ratio.{regime}"] = res["paired_ratio_merged_vs_plain"] <= 1.15
         if "merged" in sec:
             out["met"][f"peak_extra_rss.{regime}"] = res["peak_extra_rss_bytes"]["merged"] <= first["budget"]
         out["regimes"][regime] = res
@@ -166,12 +191,15 @@ def main(argv=None) -> int:
     ap.add_argument("--regimes", default=C.tiny(",".join(REGIMES), "tmpfs"))
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="at most this long to wait for idle CPUs per child")
     ap.add_argument("--result", type=Path, default=RESULT_PATH)
+    ap.add_argument("--before", help="a checkout of another tree: each variant also runs with its package")
     args = ap.parse_args(argv)
     if args.variant:
         print(json.dumps(child(args.variant, args.out)), flush=True)
         return 0
+    if args.before:
+        args.before = C.existing_tree(args.before)
     res = run_all(max(1, args.reps), [g for g in args.regimes.split(",") if g],
-                  [v for v in args.variants.split(",") if v], args.result, args.quiet_wait)
+                  [v for v in args.variants.split(",") if v], args.result, args.quiet_wait, args.before)
     print_table(res)
     print(f"\nwrote {args.result}")
     return 0

@@ -36,6 +36,11 @@ ROOT = BENCH.parent
 
 # (stage, substrings of a frame): the first stage whose substring is in a sample's deepest matching frame
 STAGES = [
+    # the product's rule (issue 30) and its faster computation (issue 42): the float64 GEMM lines are the
+    # "np.matmul(" statements below; the roundings, the bound's checks and the exact sums are the rest
+    ("lora product: rounding and checks", ("_rows_into", "_step_into", "_settle", "exact_sum_float32",
+                                           "_round_scaled", "round_to_float32", "_lowest_bit_exponents",
+                                           "exact_product")),
     ("lora product (matmul)", ("_Product.get", "MergedArray.__init__", "delta_hf", "merged_block")),
     ("lora merge (scale, add)", ("MergedArray.fill", "merge_transform")),
     ("cast to export.dtype", ("f32_to_bf16", "cast_into", "_cast_flat", "cast_array", "astype")),
@@ -52,14 +57,16 @@ EXPORT_THREADS = ("pfc-work", "pfc-write", "pfc-writer", "pfc-file", "pfc-prepar
 # statements that call C code (no Python frame of their own): their lines name the stage
 STATEMENTS = [("BLAKE3", ".hash.update("), ("pwrite", "self._pwrite("), ("transposed copies", "copy_into("),
               ("lora product (matmul)", "np.matmul("), ("lora merge (scale, add)", "out *= np.float32("),
-              ("lora merge (scale, add)", "out += as_float32(")]
+              ("lora merge (scale, add)", "out += as_float32("), ("lora merge (scale, add)", "tmp *= np.float32("),
+              ("lora merge (scale, add)", "tmp += as_float32(")]  # (W's transpose added by copy_into: "transposed copies")
 
 
 def line_rules(tree: Path) -> list:
     """(stage, 'file.py:line') for each line of the tree's writer and LoRA merge that is one of STATEMENTS."""
     rules = []
     pkg = tree / "paddle_fullparam_callbacks"
-    for path in sorted([*(pkg / "export" / "write").glob("*.py"), pkg / "models" / "lora" / "merge.py"]):
+    for path in sorted([*(pkg / "export" / "write").glob("*.py"), pkg / "models" / "lora" / "merge.py",
+                        pkg / "models" / "lora" / "product.py"]):
         for i, text in enumerate(path.read_text().splitlines(), 1):
             for stage, stmt in STATEMENTS:
                 if stmt in text and not text.lstrip().startswith(("#", "def ", "from ", "import ")):

@@ -54,8 +54,12 @@ def predict(stages: dict, n: int) -> float:
 
 
 def main() -> None:
-    src = json.loads(SOURCE.read_text())
-    tmpfs = src["regimes"]["tmpfs"]
+    need = lambda *keys: C.read_input(SOURCE.name, *keys, made_by="bench/export_single.py")  # noqa: E731
+    src = need()
+    tmpfs = need("regimes", "tmpfs")
+    for one, two in VARIANTS.values():  # every figure the model reads, checked before any is used
+        need("regimes", "tmpfs", f"breakdown_{one}", "writer", "bytes_written")
+        need("regimes", "tmpfs", "seconds", one), need("regimes", "tmpfs", "seconds", two)
     rows = {}
     for dtype, (one, two) in VARIANTS.items():
         breakdown = tmpfs[f"breakdown_{one}"]

@@ -20,6 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # checkout, also when pytest was started without PYTHONPATH
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                           if p and Path(p).resolve() != ROOT]])
+# convert's model descriptions (convert/described.py) go to a folder of this test run, never the user's cache: the
+# first conversion of a model builds it from its class, later ones of the same model read it (both paths tested)
+if "PADDLE_FULLPARAM_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["PADDLE_FULLPARAM_CACHE_DIR"] = tempfile.mkdtemp(prefix="pfc-test-cache-")
 
 
 # Every test's setup and call get a time limit (PFC_TEST_TIMEOUT_S, default 600 s; the slowest test

@@ -28,7 +28,8 @@ BENCH = ROOT / "bench"
 RECORDED = BENCH / "results"
 HELPERS = {"_common", "assembler_ranks"}  # imported or launched by the benchmarks below, not run alone
 TIMEOUT_S = 480
-NEEDS = {"thread_scaling": "export_single"}  # reads that benchmark's JSON (so it runs after it)
+# reads those benchmarks' JSONs (so it runs after them; a missing one stops it: test_a_missing_input_stops_the_benchmark)
+NEEDS = {"thread_scaling": ("export_single",), "export_ranks": ("assembler", "export_single")}
 LAUNCHES = {"export_ranks", "assembler", "nodes_traffic", "visibility"}  # start paddle.distributed.launch
 
 # benchmark: {path in its JSON: None (present) or the value it must have}; the longest tiny runs first
@@ -38,7 +39,7 @@ BENCHES = {
                       ("regimes", "tmpfs", "speedup_2_threads_vs_1"): None,
                       ("regimes", "tmpfs", "peak_extra_rss_fraction", "ours"): None,
                       ("regimes", "tmpfs", "breakdown_ours", "writer", "hash_s"): None,
-                      ("regimes", "disk", "seconds", "paddleformers"): None,
+                      ("regimes", "disk", "seconds", "paddleformers"): None, ("regimes", "disk", "seconds", "raw"): None,
                       ("facts", "writes_256MB", "tmpfs", "pwrite_page_cache_gb_s"): None},
     "assembler": {("routed_max_received_over_writes",): None, ("routed_received_over_snapshot_mp2",): None,
                   ("routed_over_seed_seconds_4ranks",): None, ("plan_50k_seconds",): None, ("replan_50k_seconds",): None,
@@ -49,7 +50,8 @@ BENCHES = {
                    ("two_nodes_2x2_ranks", "ranks_measured"): 4},
     "convert": {("seconds", "convert"): None, ("seconds", "convert_workers2"): None,
                 ("median_paired_ratio_vs_raw_copy",): None, ("peak_extra_rss_bytes", "VmRSS"): None,
-                ("peak_extra_rss_ratio",): None, ("extra_rss_at_export_bytes", "RssAnon"): None},
+                ("peak_extra_rss_ratio",): None, ("extra_rss_at_export_bytes", "RssAnon"): None,
+                ("median_paired_ratio_cold_vs_raw_copy",): None, ("prepare_s_cold",): None},
     "export_ranks": {("regimes", "tmpfs", "ratio_vs_raw"): None,
                      ("regimes", "disk", "variants", "ours", "aggregate_gb_s"): None,
                      ("regimes", "tmpfs", "files_per_rank", "3"): None,
@@ -117,8 +119,9 @@ class TinyRuns:
             t.start()
 
     def _ready(self, name: str) -> bool:
-        need = NEEDS.get(name)
-        return not (name in LAUNCHES and self.launching) and (need not in self.done or self.done[need].is_set())
+        needs = NEEDS.get(name, ())
+        return not (name in LAUNCHES and self.launching) and all(n not in self.done or self.done[n].is_set()
+                                                                  for n in needs)
 
     def _worker(self) -> None:
         while True:
@@ -195,7 +198,7 @@ def tiny_runs(request, tmp_path_factory, recorded):
     """The benchmarks this session's chosen tests name (and those they read), started at once."""
     chosen = {item.callspec.params["name"] for item in request.session.items
               if item.module is request.module and hasattr(item, "callspec") and "name" in item.callspec.params}
-    chosen |= {NEEDS[n] for n in chosen if n in NEEDS}
+    chosen |= {need for n in chosen for need in NEEDS.get(n, ())}
     runs = TinyRuns([n for n in BENCHES if n in chosen], tmp_path_factory.mktemp("bench_results"))
     yield runs
     runs.close()
@@ -216,9 +219,9 @@ def test_every_benchmark_has_its_tiny_run():
 def test_benchmark_runs_tiny(name, tiny_runs, recorded, request):
     if name == "device_stall":
         request.getfixturevalue("fake_device")  # builds the plugin; a failed build fails, never skips
-    if name in NEEDS:
-        rc, out, _ = tiny_runs.wait(NEEDS[name])
-        assert rc == 0, f"{NEEDS[name]} (needed by {name}) failed:\n{out[-6000:]}"
+    for need in NEEDS.get(name, ()):
+        rc, out, _ = tiny_runs.wait(need)
+        assert rc == 0, f"{need} (needed by {name}) failed:\n{out[-6000:]}"
     rc, out, seconds = tiny_runs.wait(name)
     print(f"bench/{name}.py tiny: {seconds:.1f} s")
     assert rc == 0, f"bench/{name}.py exited {rc} after {seconds:.0f} s at its tiny size:\n{out[-6000:]}"
@@ -252,3 +255,49 @@ def test_a_tiny_run_refuses_the_recorded_results():
                           timeout=120)
     assert proc.returncode != 0 and "writes no figures into" in proc.stderr, proc.stdout + proc.stderr
     assert _digests(RECORDED) == before
+
+
+def _run_bench(script: str, results: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PFC_BENCH_TINY="1", PFC_BENCH_RESULTS=str(results))
+    return subprocess.run([sys.executable, str(BENCH / script), *args], env=env, capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_a_missing_input_stops_the_benchmark(tmp_path):
+    """Issue 42: a benchmark that reads another's JSON stops, naming the file or the figure and the benchmark that
+    writes it, instead of using figures of its own (export_ranks' scaling model read a key the assembler benchmark no
+    longer wrote, swallowed the error and used built-in rates); it does so before any launch; a --before that is not
+    a checkout stops a paired benchmark too. None of them writes a JSON."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for script, needed, maker in (("export_ranks.py", "assembler.json", "bench/assembler.py"),
+                                  ("thread_scaling.py", "export_single.json", "bench/export_single.py")):
+        proc = _run_bench(script, empty)
+        assert proc.returncode != 0 and f"{needed} is missing ({maker} writes it" in proc.stderr, proc.stderr[-3000:]
+    partial = tmp_path / "partial"  # the assembler's JSON as the routed benchmark writes it, without the 4-rank case
+    partial.mkdir()
+    recorded = json.loads((RECORDED / "assembler.json").read_text())
+    del recorded["assembly"]["cases"]["mp2xpp2"]
+    (partial / "assembler.json").write_text(json.dumps(recorded))
+    proc = _run_bench("export_ranks.py", partial)
+    assert proc.returncode != 0 and "has no ['assembly']['cases']['mp2xpp2']" in proc.stderr, proc.stderr[-3000:]
+    for script in ("lora_merge.py", "convert.py"):
+        proc = _run_bench(script, tmp_path / "before", "--before", str(tmp_path / "no-such-tree"))
+        assert proc.returncode != 0 and "is not a checkout of this package" in proc.stderr, proc.stderr[-3000:]
+    assert not list(tmp_path.rglob("*.json")) or {p.name for p in tmp_path.rglob("*.json")} == {"assembler.json"}
+
+
+def test_the_scaling_model_reads_the_assemblers_json(tmp_path):
+    """bench/export_ranks.py's model, from the recorded JSONs: this machine's rates are the assembler's and the
+    single-process benchmark's figures (none of the old built-in 0.45 / 0.12 GB/s)."""
+    results = tmp_path / "r"
+    results.mkdir()
+    for name in ("assembler.json", "export_single.json", "export_ranks.json"):
+        (results / name).write_bytes((RECORDED / name).read_bytes())
+    proc = _run_bench("export_ranks.py", results, "--model-only", "--result", str(results / "export_ranks.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = json.loads((results / "export_ranks.json").read_text())["scaling_model"]
+    asm = json.loads((RECORDED / "assembler.json").read_text())["assembly"]["cases"]["mp2xpp2"]["variants"]["routed"]
+    rate = max(r["kernel_received"] for r in asm["per_rank"].values()) / 1e9 / asm["median_seconds"]
+    assert model["measured_inputs"]["assembly_gb_s_per_rank"]["routed"] == round(rate, 3)
+    assert model["bytes"]["ours_mp8xpp8"]["inter_bytes"] == 0.0  # routed: pipeline stages never cross nodes

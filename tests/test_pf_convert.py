@@ -204,3 +204,37 @@ def test_tokenizer_files_saved_in_the_checkpoint_are_copied_into_the_snapshot(jo
     assert (info.path / "tokenizer_config.json").read_text() == '{"model_max_length": 128}'
     assert "tokenizer_config.json" in json.loads((info.path / "fullparam_manifest.json").read_text())["files"]
     assert verify_snapshot(info.path).ok
+
+
+_CONVERT_IN_A_PROCESS = """
+import json, sys
+from paddle_fullparam_callbacks.convert.convert import convert
+info = convert(sys.argv[1], sys.argv[2], model_config=sys.argv[3], overrides=["export.max_shard_size=100KB"])
+print(json.dumps({"path": str(info.path), "class_imported": "paddleformers.transformers.llama.modeling" in sys.modules}))
+"""
+
+
+def test_a_second_conversion_of_the_model_needs_no_model_class(jobs, tmp_path):
+    """Issue 42: the first conversion keeps the model's description (convert/described.py); the next one of the same
+    model reads it instead of importing the framework's model class, and writes the same snapshot (tensors, index,
+    config.json, the manifest's model notes); a model config that differs is another description."""
+    base = jobs / "single"
+    env = dict(os.environ, PADDLE_FULLPARAM_CACHE_DIR=str(tmp_path / "cache"))
+    runs = []
+    for i in range(2):
+        proc = subprocess.run([sys.executable, "-c", _CONVERT_IN_A_PROCESS, str(base / CHECKPOINT), str(tmp_path / f"o{i}"),
+                               str(base / "model_config.json")], capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert [r["class_imported"] for r in runs] == [True, False]
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+    first, second = (Path(r["path"]) for r in runs)
+    assert_same_snapshot(second, base / SNAPSHOT)
+    assert_same_snapshot(second, first)
+    notes = [json.loads((p / "fullparam_manifest.json").read_text())["model"] for p in (first, second)]
+    assert notes[0] == notes[1]
+    other = json.loads((base / "model_config.json").read_text())
+    other["num_hidden_layers"] += 1  # the checkpoint no longer matches: refused as before, by the class's model
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(CheckpointError, match="does not match the model its config describes"):
+        convert(base / CHECKPOINT, tmp_path / "o3", model_config=tmp_path / "other.json")

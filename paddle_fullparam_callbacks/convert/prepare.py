@@ -16,6 +16,7 @@ entry point.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -26,7 +27,9 @@ from typing import Dict, List, Optional, Sequence
 from .. import _dtypes
 from ..config.schema import FullParamConfig
 from ..export.source import ExportError, ModelSource, SnapshotInfo
+from ..models import tokenizer as tokenizers
 from ..models.tokenizer import TokenizerFiles
+from . import described
 from .checkpoints import Checkpoint, CheckpointError, detect, open_checkpoint, region
 from .checkpoints._trainer_files import read_json
 
@@ -150,6 +153,8 @@ class Conversion:
     source: ModelSource
     step: int
     lora_checkpoint: Optional[Checkpoint] = None  # the LoRA tensors' own checkpoint (PaddleNLP's), if apart
+    # (key, description) of a model built here, kept once its export succeeded (described.py); None if it came from there
+    description: Optional[tuple] = None
 
 
 def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
@@ -176,8 +181,11 @@ def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
         raise ConvertError(f"--base {base}: {path} holds its own base weights; --base is for checkpoints of LoRA "
                            "tensors only (PaddleNLP's lora_model_state.pdparams)")
     cfg = load_model_config(weights, model_config)
-    _, framework = detect(weights)
-    cls = model_class(framework, cfg)
+    layout, framework = detect(weights)
+    # the model's description kept by an earlier conversion with the same inputs (described.py): no model class
+    key = described.key(framework, cfg, dataclasses.asdict(config.export)) if layout != "pdparams" else None
+    desc = described.load(key) if key else None
+    cls = model_class(framework, cfg) if desc is None else None
     ckpt = open_checkpoint(weights, config=cfg, model_class=cls)
     base_shapes, holder, layers = lora.split_lora(ckpt, lora_ckpt, lora.load_settings(path, lora_config))
     if layers or lora_ckpt is not None:
@@ -188,12 +196,18 @@ def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
             "save): it loads in transformers as it is; convert reads flex checkpoints (PaddleFormers' default)")
     # every layout holds global tensors as one process's model names and lays them out (PaddleNLP's
     # merged its ranks' pieces; PaddleFormers' flex metadata places them): the model is built for one process
-    model = build_lazy_model(cls, cfg)
-    expected = {k: tuple(sw.global_shape) for k, sw in model.sharded_state_dict().items()}
-    check_against_model(ckpt, expected, cls.__name__)
+    model = build_lazy_model(cls, cfg) if desc is None else None
+    expected = desc.expected if desc is not None else {k: tuple(sw.global_shape)
+                                                       for k, sw in model.sharded_state_dict().items()}
+    check_against_model(ckpt, expected, desc.class_name if desc is not None else cls.__name__)
     files = (lora_ckpt.tokenizer_files if lora_ckpt is not None else []) or ckpt.tokenizer_files
     saved = TokenizerFiles(files, str((lora_ckpt or ckpt).path)) if files else None
-    source = build_model_source(model, config, saved, warn_no_tokenizer=config.export.copy_tokenizer)
+    if desc is None:
+        source = build_model_source(model, config, saved, warn_no_tokenizer=config.export.copy_tokenizer)
+        fresh = described.describe(source, cls.__name__, expected) if key else None
+    else:
+        source = desc.source(tokenizers.choose(config.export.tokenizer, saved, config.export.copy_tokenizer))
+        fresh = None
     if ckpt.parallel.get("tensor_parallel_degree", 1) > 1 or ckpt.parallel.get("pipeline_parallel_degree", 1) > 1:
         # the job's input embedding was not the one-process class's: a vocab-parallel embedding (tensor
         # parallel) or a pipeline's embedding stage has no padding index (PaddleFormers' Embedding.create
@@ -206,7 +220,7 @@ def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
     step = (lora_ckpt or ckpt).step if step is None else step
     if step is None or step < 0:
         raise ConvertError(f"{path}: no step recorded (trainer_state, checkpoint-N name): give one with --step")
-    return Conversion(ckpt, model, source, int(step), lora_ckpt)
+    return Conversion(ckpt, model, source, int(step), lora_ckpt, (key, fresh) if fresh is not None else None)
 
 
 def export_conversion(conv: Conversion, output_dir: Path, config: FullParamConfig, ctx=None) -> SnapshotInfo:
@@ -234,6 +248,8 @@ def export_conversion(conv: Conversion, output_dir: Path, config: FullParamConfi
         raise
     finally:
         session.close()
+    if conv.description is not None:  # the export checked the mapping and wrote the snapshot: worth keeping
+        described.save(*conv.description)
     if session.ctx.is_coordinator:
         logger.info("converted %s (%s, %s) -> %s", conv.checkpoint.path, conv.checkpoint.framework,
                     conv.checkpoint.layout, info.path)

@@ -45,17 +45,22 @@ def transposed_view(src: np.ndarray) -> bool:
             and src.strides[1] > src.itemsize and src.shape[1] >= 16)
 
 
-def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+def copy_into(dst: np.ndarray, src: np.ndarray, add: bool = False) -> None:
     """``dst[...] = src`` for a C-contiguous ``dst`` of ``src``'s shape and dtype, fast for a 2-D
-    transposed view (columns contiguous in memory).
+    transposed view (columns contiguous in memory); with ``add``, ``dst += src`` (one rounding per element,
+    as numpy's ``+=``: a LoRA merge adds a weight's transpose to its update this way).
 
     >>> x = np.arange(40000, dtype=np.float32).reshape(100, 400)
     >>> for src in (x.T, x.T[:, ::2], x[::3]):
     ...     dst = np.empty(src.shape, src.dtype); copy_into(dst, src)
     ...     assert np.array_equal(dst, src)
+    ...     copy_into(dst, src, add=True); assert np.array_equal(dst, src + src)
     """
     if not transposed_view(src):
-        np.copyto(dst, src)
+        if add:
+            np.add(dst, src, out=dst)
+        else:
+            np.copyto(dst, src)
         return
     rows, cols = src.shape
     memory = src.T  # [cols, rows]: each row a contiguous run of the source
@@ -65,7 +70,10 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
         n = min(k, cols - i)
         part = stage[:n]
         np.copyto(part, memory[i:i + n])  # sequential reads of n source rows
-        np.copyto(dst[:, i:i + n], part.T)  # the transpose, from the stage in cache
+        if add:
+            np.add(dst[:, i:i + n], part.T, out=dst[:, i:i + n])
+        else:
+            np.copyto(dst[:, i:i + n], part.T)  # the transpose, from the stage in cache
 
 
 def row_blocks(array: np.ndarray, max_bytes: int) -> Iterator[Tuple[int, int]]:

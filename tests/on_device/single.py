@@ -91,9 +91,9 @@ def export(model, out: Path, overrides) -> dict:
             ring["arrays"] += got is not None
             return got
 
-        def copy_in(self, *a):
+        def copy_in(self, *a, **kw):
             ring["copies"] += 1
-            return real_copy(self, *a)
+            return real_copy(self, *a, **kw)
 
         HostRing.array, HostRing.copy_in = array, copy_in
         try:

@@ -72,10 +72,19 @@ class SafetensorsExporter(Exporter):
     def write(self, name, tensor, zero_row=None):
         arr = to_host_array(tensor)
         release = None
-        if self.copy and not (self.ring is not None and self.ring.holds(arr)):  # (in the ring already: as it is)
-            copied, release = self.ring.copy_in(arr) if self.ring is not None else (None, None)
+        if self.copy and self.ring is not None and self.ring.holds(arr):  # in the ring already: as it is
+            self.ring.label(arr, name)
+        elif self.copy:
+            copied, release = (self.ring.copy_in(arr, key=name, may_wait=self._ring_frees) if self.ring is not None
+                               else (None, None))
             arr = copied if copied is not None else detached_copy(arr)
         self.writer.put(name, arr, release, zero_row=zero_row)  # the writer zeroes the row: no copy
+
+    def _ring_frees(self, token) -> bool:
+        """Whether the writer frees a ring allocation without more tensors: it holds a tensor handed over whose
+        file's earlier tensors have all been handed over (one kept for later, waiting for a tensor not handed
+        over yet, is not: waiting for it would wait for ``HostRing.wait_s``)."""
+        return token[3] is not None and self.writer.will_write(token[3])
 
     def finish(self):
         return self.writer.close()

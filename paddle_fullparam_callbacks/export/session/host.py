@@ -57,9 +57,14 @@ class HostRing:
 
     Copying a snapshot into freshly allocated memory pays a page fault per 4 KB (most of the
     training stall of an async export, measured); a ring that lives as long as the job pays it
-    once. ``alloc`` blocks while the writer still holds the bytes it needs (back pressure); after
-    ``wait_s`` without room (tensors written out of order can hold the ring) it returns None and
-    the caller makes an ordinary copy instead, so it can never deadlock.
+    once. ``alloc`` blocks while the writer still holds the bytes it needs (back pressure), but only
+    while waiting can end: room comes back in allocation order, so only once the oldest allocation
+    still held is freed, and a tensor the writer keeps for later (out of file order, waiting for one
+    not handed over yet: maybe the one being allocated) is freed by nothing but more allocations. The
+    caller says which allocations the writer will free without more (``may_wait``); when the oldest is
+    not one of them, ``alloc`` returns None at once and the caller makes an ordinary copy (issue 42: a
+    ring about one tensor's size held an export 30 s). ``wait_s`` stays a last resort; ``timeouts``
+    counts the waits it ended.
     """
 
     def __init__(self, size: int, wait_s: float = 30.0):
@@ -71,8 +76,9 @@ class HostRing:
         self.buf.fill(0)  # fault every page in now, at setup, not during an export
         self.wait_s = wait_s
         self._cv = threading.Condition()
-        self._live = collections.deque()  # [start, end, done] in allocation order
+        self._live = collections.deque()  # [start, end, done, key] in allocation order
         self._head = self._tail = 0  # byte counters, monotonic
+        self.timeouts = 0  # waits ended by wait_s without room (never, unless a may_wait promise failed)
 
     def reset(self) -> None:
         """Forget every allocation (call only when no writer uses the ring)."""
@@ -80,9 +86,11 @@ class HostRing:
             self._live.clear()
             self._head = self._tail = 0
 
-    def alloc(self, n: int, wait: bool = True):
+    def alloc(self, n: int, wait: bool = True, key=None, may_wait=None):
         """(a uint8 view of n bytes, a token for free()) or (None, None). ``wait``: while the writer frees
-        room (back pressure), up to ``wait_s``; otherwise only room there is now."""
+        room (back pressure), and only while ``may_wait(oldest)`` says that the oldest allocation still held
+        (its ``key``, given when it was made: ``token[3]``) will be freed without more allocations (without
+        ``may_wait``: up to ``wait_s``); otherwise only room there is now."""
         if n <= 0 or n > self.size:
             return None, None
         with self._cv:
@@ -95,14 +103,19 @@ class HostRing:
                 return self._head + waste + n - self._tail <= self.size, waste
 
             ok, waste = room()
-            if not ok and wait:
-                self._cv.wait_for(lambda: room()[0], timeout=self.wait_s)
+            while not ok and wait and self._live:
+                oldest = self._live[0]  # never a freed one: free() drops those from the front
+                if may_wait is not None and not may_wait(oldest):
+                    break  # nothing will free it: no wait at all
+                if not self._cv.wait_for(lambda: room()[0] or oldest[2], timeout=self.wait_s):
+                    self.timeouts += 1
+                    break
                 ok, waste = room()
             if not ok:
                 return None, None
             start = self._head + waste
             self._head = start + n
-            token = [start, self._head, False]
+            token = [start, self._head, False, key]
             self._live.append(token)
         p = start % self.size
         return self.buf[p:p + n], token
@@ -123,24 +136,36 @@ class HostRing:
         view, token = self.alloc(math.prod(shape) * dtype.itemsize, wait=False)
         if view is None:
             return None
-        owner = _Block(view.view(dtype).reshape(tuple(shape)))
+        owner = _Block(view.view(dtype).reshape(tuple(shape)), token)
         weakref.finalize(owner, self.free, token)
         return np.asarray(owner)
 
     @staticmethod
-    def holds(array) -> bool:
-        """Whether ``array`` (or the array it views) was made by :meth:`array`."""
+    def _block(array) -> "Optional[_Block]":
         base = array
         while isinstance(base, np.ndarray):
             base = base.base
-        return isinstance(base, _Block)
+        return base if isinstance(base, _Block) else None
 
-    def copy_in(self, array):
-        """(a copy of ``array`` in the ring, release callback) or (None, None) if it does not fit.
+    @staticmethod
+    def holds(array) -> bool:
+        """Whether ``array`` (or the array it views) was made by :meth:`array`."""
+        return HostRing._block(array) is not None
+
+    def label(self, array, key) -> None:
+        """Name the allocation an array of :meth:`array` lives in (what ``may_wait`` is asked about)."""
+        block = self._block(array)
+        if block is not None:
+            with self._cv:
+                block.token[3] = key
+
+    def copy_in(self, array, key=None, may_wait=None):
+        """(a copy of ``array`` in the ring, release callback) or (None, None) if it does not fit (see
+        :meth:`alloc` for ``key`` and ``may_wait``).
 
         Copied in memory order (a memcpy, see detached_copy) and returned with the same strides; a lazy
         array is computed into the ring (on the worker threads)."""
-        view, token = self.alloc(array.nbytes)
+        view, token = self.alloc(array.nbytes, key=key, may_wait=may_wait)
         if view is None:
             return None, None
         if isinstance(array, LazyArray):
@@ -158,10 +183,11 @@ class _Block:
     its finalizer returns the bytes when the last one goes (a plain view of the ring would not: its base
     would be the whole ring buffer)."""
 
-    __slots__ = ("__array_interface__", "_values", "__weakref__")
+    __slots__ = ("__array_interface__", "_values", "token", "__weakref__")
 
-    def __init__(self, values: np.ndarray):
+    def __init__(self, values: np.ndarray, token):
         self._values = values  # keeps the ring's buffer alive as long as the block
+        self.token = token
         self.__array_interface__ = values.__array_interface__
 
 

@@ -32,6 +32,7 @@ from . import checksum
 from .fsync import fsync_dir
 from .pipeline import BlockPool, Countdown, Piece, Pipeline, Stopped
 from .stats import WriterStats
+from .order import ReceivedInOrder
 from .syscalls import allocate, pwrite_all
 
 # Sizes, read when a writer starts (module globals: the tests make them tiny).
@@ -226,6 +227,7 @@ class SnapshotWriter:
         self._states: dict = {}
         self._results: dict = {}
         self._received: set = set()
+        self._in_order = ReceivedInOrder(self.files, self._received)
         self._error: Optional[BaseException] = None
         self._aborted = False
         self._cv = threading.Condition()
@@ -269,6 +271,7 @@ class SnapshotWriter:
         if zero_row is not None and not (array.ndim and 0 <= zero_row < len(array)):
             raise ValueError(f"tensor {name!r}: row {zero_row} to zero is not a row of {list(array.shape)}")
         self._received.add(name)
+        self._in_order.note(slot)
         n = array.nbytes
         t = time.perf_counter()
         with self._cv:
@@ -285,6 +288,10 @@ class SnapshotWriter:
             self._raise_if_failed()
             return
         self._queue.put((slot, array, release, zero_row))
+
+    def will_write(self, name: str) -> bool:
+        """Whether tensor ``name`` is written without more tensors handed over (``order.ReceivedInOrder``)."""
+        return self._in_order.complete_through(name)
 
     def wait_for_room(self, nbytes: int) -> None:
         """Block until ``put`` of ``nbytes`` would not wait: for a producer that reads its next tensor

@@ -31,6 +31,7 @@ import numpy as np
 
 from ... import _dtypes
 from ...host.casts import cast_into, scratch
+from ...host.copy import copy_into
 from ...host.lazy import LazyArray
 from .product import exact_product
 
@@ -130,11 +131,22 @@ class MergedArray(LazyArray):
     def fill(self, out: np.ndarray) -> None:
         (r0, r1), (c0, c1) = self.rows_, self.cols_
         a, a_dtype, b, b_dtype = self.ab
-        tmp = scratch((r1 - r0) * (c1 - c0) * 4, "merge").view(np.float32).reshape(r1 - r0, c1 - c0)
-        exact_product(as_float32(a[r0:r1], a_dtype), as_float32(b[:, c0:c1], b_dtype), out=tmp)
+        a, b = as_float32(a[r0:r1], a_dtype), as_float32(b[:, c0:c1], b_dtype)
+        direct = self.w_dtype == "float32" and out.dtype == np.float32 and out.flags.c_contiguous
+        if direct:  # computed in the writer's buffer: no temporary, no copy
+            tmp = out
+        else:
+            tmp = scratch(out.size * 4, "merge").view(np.float32).reshape(out.shape)
+        w = as_float32(self.w[r0:r1, c0:c1], self.w_dtype)
+        if self.transposed:  # the product in the layout written ([out, in]): B^T @ A^T, the same exact sums
+            exact_product(b.T, a.T, out=tmp)
+            w = w.T
+        else:
+            exact_product(a, b, out=tmp)
         tmp *= np.float32(self.scaling)  # as merged_block: the scalar, then W, one rounding each
-        tmp += as_float32(self.w[r0:r1, c0:c1], self.w_dtype)
-        cast_into(out, tmp.T if self.transposed else tmp, "float32", self.w_dtype)
+        copy_into(tmp, w, add=True)  # W's transpose added from a cache-sized stage, as the plain export copies it
+        if not direct:
+            cast_into(out, tmp, "float32", self.w_dtype)
 
 
 __all__ = ["MergedArray", "as_float32", "delta_hf", "merged_block"]

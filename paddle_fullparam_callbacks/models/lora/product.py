@@ -12,15 +12,22 @@ and the float32 results differ between them (seen: 2 threads on an AMD EPYC agai
 blocks against the whole product for r >= 32). A fused multiply-add chain in a fixed order would fix
 the bits but costs r passes over the weight.
 
-How it is computed, fast: the product in float64 by BLAS (each float32 x float32 product is exact in
-float64; only the additions round, by at most ``gamma_r * sum |a||b|`` whatever the order), then each
-element rounded to float32. When the interval the exact sum may lie in rounds to one float32, that is
-the answer; when every partial sum is exact in float64 (factors with short mantissas, as bfloat16-born
-ones), the float64 result is the exact sum and its cast is the answer; the rare elements left (about
-one in 10^5 for random data) are summed exactly with ``fractions.Fraction`` and rounded by hand.
+How it is computed, fast (issue 42: one float64 product, no second one for the bound): the product in
+float64 by BLAS (each float32 x float32 product is exact in float64; only the additions round, by at most
+``gamma_r * sum |a||b|`` whatever the order), then each element rounded to float32. A step of rows is
+checked at once against one bound for the whole step (the largest ``sum |a||b|`` it can hold, from the
+rows' and columns' sums and maxima, no product): where ``v - e`` and ``v + e`` round to one float32, so
+does the exact sum, and that float32 is the answer (three passes over the step). The few elements left
+(a float32 rounding boundary near ``v``, results near zero: about 2 in 10^5 for random data) get their
+own bound, ``sum |a||b|`` of their row and column; when it still leaves two answers and every partial sum
+is exact in float64 (factors with short mantissas, as bfloat16-born ones), the float64 result is the
+exact sum and its cast is the answer; the rare rest (about one in 10^5) are summed exactly with
+``fractions.Fraction`` and rounded by hand.
 """
 from __future__ import annotations
 
+import math
+import threading
 from fractions import Fraction
 from typing import Optional
 
@@ -28,9 +35,31 @@ import numpy as np
 
 from ...host import blas
 
-_ROWS_ELEMENTS = 1 << 16  # elements per step: the float64 temporaries of a step stay in a core's L2 cache
+_ROWS_ELEMENTS = 1 << 15  # elements per step: the step's float64 product and float32 temporaries stay in L2
+# rows per BLAS call: OpenBLAS 0.3's float64 product of k = 16 runs 2-3x slower from about 24 rows on (measured
+# here: 3.4-3.8 ns per element up to 20 rows, 6-12 ns from 24 on, at 1024, 2816 and 4096 columns)
+_GEMM_ROWS = 16
 _F32_MAX = Fraction(float(np.finfo(np.float32).max))
 _F32_OVERFLOW = _F32_MAX + Fraction(2) ** (127 - 24)  # |x| from here on rounds to infinity
+
+
+class _Buffers:
+    """A thread's reused temporaries for steps of ``elements``: the float64 product, two float32 roundings, a mask."""
+
+    def __init__(self, elements: int):
+        self.v = np.empty(elements, np.float64)
+        self.high, self.low = np.empty(elements, np.float32), np.empty(elements, np.float32)
+        self.same = np.empty(elements, np.bool_)
+
+
+_local = threading.local()
+
+
+def _scratch(elements: int) -> _Buffers:
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.v.size < elements:
+        buf = _local.buf = _Buffers(max(elements, _ROWS_ELEMENTS))
+    return buf
 
 
 def round_to_float32(x: Fraction) -> np.float32:
@@ -61,11 +90,45 @@ def round_to_float32(x: Fraction) -> np.float32:
 
 
 def exact_sum_float32(a_row: np.ndarray, b_col: np.ndarray) -> np.float32:
-    """One element by the rule, with exact rationals (the slow path, and the definition)."""
+    """One element by the rule, exactly (the slow path, and the definition): each product of two float32 is exact
+    in float64, an integer times a power of two; their sum is one integer at the lowest power, rounded by hand."""
     if not (np.all(np.isfinite(a_row)) and np.all(np.isfinite(b_col))):
         with np.errstate(invalid="ignore", over="ignore"):
             return np.float32(np.dot(a_row.astype(np.float64), b_col.astype(np.float64)))
-    return round_to_float32(sum((Fraction(float(x)) * Fraction(float(y)) for x, y in zip(a_row, b_col)), Fraction(0)))
+    terms = []
+    for x, y in zip(a_row.tolist(), b_col.tolist()):
+        m, e = math.frexp(x * y)  # x * y = m * 2^e exactly (24 + 24 bits fit float64's 53)
+        if m:
+            terms.append((int(m * 2.0**53), e - 53))
+    if not terms:
+        return np.float32(0.0)
+    low = min(e for _, e in terms)
+    return _round_scaled(sum(m << (e - low) for m, e in terms), low)
+
+
+def _round_scaled(n: int, e: int) -> np.float32:
+    """The float32 nearest to ``n * 2^e`` (ties to even; +0.0 for zero, infinity beyond the largest float32).
+
+    >>> float(_round_scaled(2**24 + 1, -24)), float(_round_scaled(2**24 + 3, -24))  # ties: to even
+    (1.0, 1.000000238418579)
+    """
+    if n == 0:
+        return np.float32(0.0)
+    sign, n = (-1.0 if n < 0 else 1.0), abs(n)
+    q = max(n.bit_length() + e - 24, -149)  # the exponent of the result's last bit (subnormals: 2^-149)
+    shift = q - e
+    if shift > 0:
+        keep, rem = n >> shift, n & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        if rem > half or (rem == half and keep & 1):
+            keep += 1
+    else:
+        keep = n << -shift
+    if keep == 0:
+        return np.float32(0.0)  # an exact zero is +0.0, and so is a sum that rounds to zero
+    if keep * 2.0**q >= 2.0**128:
+        return np.float32(sign * np.inf)
+    return np.float32(sign * math.ldexp(keep, q))
 
 
 def _lowest_bit_exponents(x: np.ndarray) -> np.ndarray:
@@ -80,31 +143,45 @@ def _lowest_bit_exponents(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _rows_into(out: np.ndarray, a: np.ndarray, b: np.ndarray, b_low: np.ndarray) -> None:
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    v = np.matmul(a64, b64)
-    bound = np.matmul(np.abs(a64), np.abs(b64))  # the sum of |products|, within (1 + gamma_r)
+def _settle(out: np.ndarray, vals: np.ndarray, a: np.ndarray, b: np.ndarray, a64: np.ndarray, b64: np.ndarray,
+            rows: np.ndarray, cols: np.ndarray) -> None:
+    """Elements ``(rows, cols)`` of ``out`` (their float64 products ``vals``) that their step's bound left open,
+    each by the rule: its own bound ``sum |a||b|``, then the exactness of the float64 sum, then exact rationals."""
+    big = np.einsum("ek,ke->e", np.abs(a64[rows]), np.abs(b64[:, cols]))  # sum |products|, within (1 + gamma_r)
     # |v - exact sum| <= gamma_r * sum|products| (any order, fused or not): (r + 2) * 2^-52 covers both roundings
-    slack = bound * ((a.shape[1] + 2) * 2.0 ** -52)
-    with np.errstate(over="ignore", invalid="ignore"):
-        np.copyto(out, v, casting="unsafe")
-        v -= slack
-        slack *= 2
-        slack += v  # v + slack
-        unsure = v.astype(np.float32) != slack.astype(np.float32)
-    rows, cols = np.nonzero(unsure)
-    out[out == 0] = 0.0  # -0.0 -> +0.0: an exact zero sum is +0.0
-    if not len(rows):
+    slack = big * ((a.shape[1] + 2) * 2.0 ** -52)
+    got = vals.astype(np.float32)
+    unsure = (vals - slack).astype(np.float32) != (vals + slack).astype(np.float32)
+    got[got == 0] = 0.0  # -0.0 -> +0.0: an exact zero sum is +0.0
+    out[rows, cols] = got
+    if not unsure.any():
         return
-    # the few left: is the float64 sum exact? Every product of row i and column j is a multiple of
-    # 2^(qa_i + qb_j); below 2^53 of those, every partial sum is exact in any order, and the cast already made
-    # rounds the exact sum correctly (bfloat16-born factors, whose sums often land on a float32 tie, end here)
-    which = np.unique(rows)
-    lows = _lowest_bit_exponents(a[which]).min(axis=1)[np.searchsorted(which, rows)] + b_low[cols] + 53
-    big = bound[rows, cols]
+    rows, cols, big = rows[unsure], cols[unsure], big[unsure]
+    # is the float64 sum exact? Every product of row i and column j is a multiple of 2^(qa_i + qb_j); below 2^53
+    # of those, every partial sum is exact in any order, and the cast already made rounds the exact sum correctly
+    # (bfloat16-born factors, whose sums often land on a float32 tie, end here)
+    lows = _lowest_bit_exponents(a[rows]).min(axis=1) + _lowest_bit_exponents(b[:, cols]).min(axis=0) + 53
     exact = big * (1 + (a.shape[1] + 2) * 2.0 ** -52) < np.ldexp(1.0, np.minimum(lows, 1000))
-    for i, j in zip(rows[~exact & np.isfinite(big)], cols[~exact & np.isfinite(big)]):
+    left = ~exact & np.isfinite(big)  # a NaN or an infinity among the factors: what IEEE arithmetic gives
+    for i, j in zip(rows[left], cols[left]):
         out[i, j] = exact_sum_float32(a[i], b[:, j])  # and the rest, exactly
+
+
+def _step_into(out: np.ndarray, v: np.ndarray, high: np.ndarray, same: np.ndarray, bound: float, r: int) -> np.ndarray:
+    """``out`` := float32 of ``v - e`` and ``high`` := of ``v + e``, ``e`` covering the float64 product's error for
+    every element of the step (and 2^-148, so that no result near zero passes: its sign is the rule's);
+    returns where the two differ (flat indices): the elements the step's bound leaves open."""
+    # (r + 2) * 2^-52 * bound is the float64 product's error (as in _settle); twice that, and 2^-51 * bound more
+    # for the rounding of v -+ e itself, keep fl32(fl64(v - e)) <= fl32(exact) <= fl32(fl64(v + e))
+    e = bound * ((2 * r + 6) * 2.0 ** -52) + 2.0 ** -148
+    np.subtract(v, e, out=out, casting="unsafe")
+    np.add(v, e, out=high, casting="unsafe")
+    np.not_equal(out, high, out=same)
+    rows = np.flatnonzero(same.any(axis=1))  # a few elements of a few rows: only those rows are searched
+    if not len(rows):
+        return rows
+    cols = same[rows]
+    return (rows[:, None] * same.shape[1] + np.arange(same.shape[1]))[cols]
 
 
 def exact_product(a: np.ndarray, b: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -128,10 +205,33 @@ def exact_product(a: np.ndarray, b: np.ndarray, out: Optional[np.ndarray] = None
         out[...] = 0.0
         return out
     step = max(1, _ROWS_ELEMENTS // max(n, 1))
-    b_low = _lowest_bit_exponents(b).min(axis=0)
-    with blas.one_thread():
+    a64 = a.astype(np.float64)
+    b64 = np.ascontiguousarray(b, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        a_abs, b_abs = np.abs(a64), np.abs(b64)
+        a_sum, a_max = a_abs.sum(axis=1), a_abs.max(axis=1)  # sum|a_ik||b_kj| <= sum_k|a_ik| * max_k|b_kj|, and
+        b_max, b_sum = b_abs.max(axis=0).max(), b_abs.sum(axis=0).max()  # <= max_k|a_ik| * sum_k|b_kj|
+    buf = _scratch(step * n)
+    opened = []  # (flat indices in out, their float64 products) of every step: settled together after the loop
+    with blas.one_thread(), np.errstate(over="ignore", invalid="ignore"):
         for i in range(0, m, step):
-            _rows_into(out[i:i + step], a[i:i + step], b, b_low)
+            i1 = min(m, i + step)
+            p = i1 - i
+            v = buf.v[:p * n].reshape(p, n)
+            for k in range(0, p, _GEMM_ROWS):
+                np.matmul(a64[i + k:min(i1, i + k + _GEMM_ROWS)], b64, out=v[k:k + _GEMM_ROWS])
+            x, y = float(a_sum[i:i1].max() * b_max), float(a_max[i:i1].max() * b_sum)
+            bound = min(x, y) if math.isfinite(x) and math.isfinite(y) else math.inf  # a NaN, an infinity: each alone
+            block = out[i:i1]
+            tmp = block if block.flags.c_contiguous else buf.low[:p * n].reshape(p, n)  # a strided out: via scratch
+            open_ = _step_into(tmp, v, buf.high[:p * n].reshape(p, n), buf.same[:p * n].reshape(p, n), bound, r)
+            if tmp is not block:
+                block[...] = tmp
+            if len(open_):
+                opened.append((open_ + i * n, v.reshape(-1)[open_]))
+        if opened:
+            flat = np.concatenate([o[0] for o in opened])
+            _settle(out, np.concatenate([o[1] for o in opened]), a, b, a64, b64, flat // n, flat % n)
     return out
 
 
