@@ -22,7 +22,11 @@ from ...assemble.mapping import MappingError
 from ...config.schema import ConfigError
 
 LAYERS = r"model\.layers\.\d+\."  # a causal LM's decoder layers
-LANGUAGE_LAYERS = r"model\.language_model\.layers\.\d+\."  # an image-text-to-text model's text decoder
+# an image-text-to-text model's text decoder: transformers 5's layout, or the flat one its mapping may write
+# (PaddleFormers' Qwen2.5-VL and PaddleOCR-VL); the vision tower's layers are under visual./model.visual.
+TEXT_LAYERS = r"model\.(?:language_model\.)?layers\.\d+\."
+DECODER_LAYERS = r"model\.decoder\.layers\.\d+\."  # OPT
+BLOCKS = r"transformer\.h\.\d+\."  # GPT-J, CodeGen, Bloom, Falcon, CTRL
 ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 MLA = ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
        "self_attn.kv_b_proj", "self_attn.o_proj")  # DeepSeek's multi-head latent attention (q_proj without q LoRA)
@@ -31,7 +35,8 @@ FUSED_MLP = ("mlp.gate_up_proj", "mlp.down_proj")
 EXPERTS = ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj", "mlp.experts.*.down_proj")
 SHARED_EXPERT = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
 SHARED_EXPERTS = ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj")
-EMBEDDINGS = r"(.*\.)?(embed_tokens|embed_positions|word_embeddings|position_embeddings|wte|wpe)"
+BLOOM = ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+EMBEDDINGS = r"(.*\.)?([^.]*embed[^.]*|wte|wpe)"  # embedding tables: embed_tokens, pos_embed, position_embedding, ...
 
 
 @dataclass(frozen=True)
@@ -85,9 +90,21 @@ DECLARATIONS: Dict[str, Fp8Declaration] = dict([
     _row("Glm4MoeForCausalLM", LAYERS, ATTENTION, MLP, EXPERTS, SHARED_EXPERTS),
     _row("DeepseekV3ForCausalLM", LAYERS, MLA, MLP, EXPERTS, SHARED_EXPERTS),
     _row("Ernie4_5_MoeForCausalLM", LAYERS, ATTENTION, MLP, EXPERTS, SHARED_EXPERTS),
-    _row("Qwen2_5_VLForConditionalGeneration", LANGUAGE_LAYERS, ATTENTION, MLP),
-    _row("Qwen3VLForConditionalGeneration", LANGUAGE_LAYERS, ATTENTION, MLP),
-    _row("Glm4vMoeForConditionalGeneration", LANGUAGE_LAYERS, ATTENTION, MLP, EXPERTS, SHARED_EXPERTS),
+    _row("Qwen2_5_VLForConditionalGeneration", TEXT_LAYERS, ATTENTION, MLP),
+    _row("Qwen3VLForConditionalGeneration", TEXT_LAYERS, ATTENTION, MLP),
+    _row("Glm4vMoeForConditionalGeneration", TEXT_LAYERS, ATTENTION, MLP, EXPERTS, SHARED_EXPERTS),
+    _row("PaddleOCRVLForConditionalGeneration", TEXT_LAYERS, ATTENTION, MLP),
+    # no published FP8 checkpoints: the same rule, the decoder blocks' attention and MLP projections
+    _row("OPTForCausalLM", DECODER_LAYERS, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                            "self_attn.out_proj", "fc1", "fc2")),
+    _row("GPTJForCausalLM", BLOCKS, ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "mlp.fc_in",
+                                     "mlp.fc_out")),
+    _row("CodeGenForCausalLM", BLOCKS, ("attn.qkv_proj", "attn.out_proj", "mlp.fc_in", "mlp.fc_out")),
+    _row("BloomForCausalLM", BLOCKS, BLOOM),
+    _row("FalconForCausalLM", BLOCKS, BLOOM),
+    _row("CTRLLMHeadModel", BLOCKS, ("multi_head_attention.Wq", "multi_head_attention.Wk", "multi_head_attention.Wv",
+                                     "multi_head_attention.dense", "ffn.0", "ffn.2"),
+         embeddings=EMBEDDINGS + r"|transformer\.w"),
 ])
 
 # architectures this package exports that have no declaration, and why (the refusal says it)
