@@ -8,9 +8,9 @@ decoder's layers). Each declaration is a row of the table below, in the names th
 folder produce; ``tests/zoo`` exports every architecture of the zoo with it and loads the snapshot in
 transformers. An architecture without a row is refused when the job starts, naming it.
 
-config.json's ``modules_to_not_convert`` lists every other 2-D ``.weight`` of the snapshot (the LM head,
-router gates, a vision tower's Linear layers), the modules an engine would otherwise replace by FP8
-layers; embeddings are not listed (engines do not convert them).
+config.json's ``modules_to_not_convert`` lists every other 2-D ``.weight`` of the snapshot (router gates, a
+vision tower's Linear layers) and the LM head (tied or not), the modules an engine would otherwise replace by
+FP8 layers; embeddings are not listed (engines do not convert them).
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ class Fp8Declaration:
     layers: str
     modules: Tuple[str, ...]
     embeddings: str = EMBEDDINGS  # module names (regex) that are embedding tables, never listed as not converted
+    head: str = "lm_head"  # the LM head's module: always listed, tied (and so not in the snapshot) or not
 
     @property
     def pattern(self) -> "re.Pattern":
@@ -65,6 +66,8 @@ class Fp8Declaration:
                 quantized.append(name)
             elif not embedding.fullmatch(name[:-len(".weight")]):
                 others.append(name[:-len(".weight")])
+        if self.head not in others:
+            others.append(self.head)
         if not quantized:
             raise MappingError(f"export.quantization: the FP8 declaration of {self.architecture} ({self.pattern.pattern}) "
                                "matches none of the snapshot's tensors")
