@@ -23,8 +23,9 @@ SCALE_DTYPE = "float32"
 METHODS = ("none", "fp8")
 DEFAULT_BLOCK = (128, 128)
 MISREAD = ("transformers 5.x dequantizes such a weight wrongly: its Fp8Dequantize takes the block as rows // scale "
-           "rows (a 200 x 300 weight in 128 x 128 blocks comes back with 100 x 100 blocks); the snapshot holds the "
-           "layout's partial edge blocks, which llama.cpp's converter and this package's verify read right")
+           "rows (a 200 x 300 weight in 128 x 128 blocks comes back with 100 x 100 blocks, and a 320-row one, 3 "
+           "blocks, fails to load); the snapshot holds the layout's partial edge blocks, which llama.cpp's converter "
+           "and this package's verify read right")
 
 
 def scale_name(weight: str) -> str:
