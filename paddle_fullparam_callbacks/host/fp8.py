@@ -23,7 +23,6 @@ of it releases the GIL: the writer's workers quantize blocks of one tensor side 
 """
 from __future__ import annotations
 
-import sys
 from typing import Sequence, Tuple
 
 import numpy as np
@@ -65,7 +64,6 @@ def _table() -> np.ndarray:
 
 
 _TABLE = _table()
-_HIGH = slice(1, None, 2) if sys.byteorder == "little" else slice(0, None, 2)  # the top 16 bits of a float32
 
 
 def encode_e4m3(out: np.ndarray, y: np.ndarray) -> None:
@@ -80,10 +78,13 @@ def encode_e4m3(out: np.ndarray, y: np.ndarray) -> None:
     for s in range(0, u.size, _SUB):
         part = u[s:s + _SUB]
         key = scratch(part.nbytes, "fp8 key").view(np.uint32)
+        index = scratch(part.size * np.dtype(np.intp).itemsize, "fp8 index").view(np.intp)
         np.bitwise_and(part, 0xFFFF, out=key)
         np.add(key, 0xFFFF, out=key)  # bit 16 is set where any of the 16 low bits is
         np.bitwise_or(key, part, out=key)  # ... and folded into the lowest kept bit: round to odd
-        np.take(_TABLE, key.view(np.uint16)[_HIGH], out=o[s:s + _SUB], mode="wrap")
+        # the top 16 bits as the table's index, of numpy's index type (take would convert any other first)
+        np.right_shift(key, 16, out=index, casting="unsafe")
+        np.take(_TABLE, index, out=o[s:s + _SUB], mode="wrap")
 
 
 def decode_e4m3(q: np.ndarray) -> np.ndarray:

@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from .casts import cast_into, f32_to_bf16, scratch
+from .copy import copy_into
 from .fp8 import column_blocks_max, encode_e4m3, grid, quantize_rows, rows_max_abs, scales_of
 from .lazy import CastArray, LazyArray, computed, rows_of
 from .pool import current
@@ -145,13 +146,15 @@ class Fp8Array(LazyArray):
 
     def _fill_memory_order(self, out: np.ndarray) -> None:
         """Rows r0:r1 of ``base.T``'s transpose: read ``base.T[:, r0:r1]`` row by row (each a contiguous run),
-        scale, encode, and transpose the bytes into ``out``. A chunk of memory rows lies in one block column."""
+        scale and encode into a per-thread stage in that order, then transpose the bytes into ``out`` (the staged
+        transposed copy of ``copy.py``). A chunk of memory rows lies in one block column."""
         q = self.q
         b0, b1 = q.block
         memory = q.base.T  # [in, out]
         n = self.r1 - self.r0
         # the scales of a memory row's elements (output rows r0..r1) in block column j: scales[j]
         scales = np.ascontiguousarray(q.scale[np.arange(self.r0, self.r1) // b0].T)
+        codes = scratch(memory.shape[0] * n, "fp8 codes").reshape(memory.shape[0], n)
         step = max(1, min(b1, _CHUNK // max(1, n)))
         for c0 in range(0, memory.shape[0], step):
             j = c0 // b1
@@ -160,9 +163,8 @@ class Fp8Array(LazyArray):
             y = scratch(values.size * 4, "fp8 product").view(np.float32).reshape(values.shape)
             with np.errstate(over="ignore", invalid="ignore"):
                 np.multiply(values, scales[j], out=y)
-            codes = scratch(values.size, "fp8 codes").reshape(values.shape)
-            encode_e4m3(codes, y)
-            np.copyto(out[:, c0:c1], codes.T)
+            encode_e4m3(codes[c0:c1], y)
+        copy_into(out, codes.T)
 
 
 __all__ = ["Fp8Array", "Fp8Weight", "WIDENED", "widened"]
