@@ -47,13 +47,14 @@ def widened(rows, dtype: str, slot: str) -> np.ndarray:
     return out
 
 
-def _rounded(values: np.ndarray, dtype: str, slot: str) -> np.ndarray:
-    """float32 ``values`` rounded to ``dtype`` with Paddle's bits, as float32 (a per-thread scratch copy)."""
+def _rounded(values: np.ndarray, dtype: str, slot: str, nans: bool = True) -> np.ndarray:
+    """float32 ``values`` rounded to ``dtype`` with Paddle's bits, as float32 (a per-thread scratch copy).
+    ``nans``: whether ``values`` may hold a NaN (if not, none is looked for)."""
     from .. import _dtypes
 
     if dtype == "bfloat16":
         bits = scratch(values.size * 2, slot + " bits").view(np.uint16).reshape(values.shape)
-        f32_to_bf16(bits, values)
+        f32_to_bf16(bits, values, no_nans=not nans)
         return widened(bits, "bfloat16", slot)
     cast = scratch(values.size * _dtypes.lookup(dtype).itemsize, slot + " bits").view(
         _dtypes.lookup(dtype).np_storage).reshape(values.shape)
@@ -81,7 +82,9 @@ class Fp8Weight:
                 and dtype in ("bfloat16", "float16") and not isinstance(src.src, LazyArray)):
             self.base, self.base_dtype, self.rounding = src.src, "float32", dtype
         self.memory_order = _transposed(self.base)  # read base.T's rows: contiguous runs
-        self.scale, self.scale_inv = scales_of(self._max_abs())
+        max_abs = self._max_abs()
+        self.nans = np.isnan(max_abs)  # the blocks that hold a NaN (the others need no search for one)
+        self.scale, self.scale_inv = scales_of(max_abs)
         self.weight = Fp8Array(self, 0, src.shape[0])
 
     def _max_abs(self) -> np.ndarray:
@@ -115,11 +118,12 @@ class Fp8Array(LazyArray):
     def rows(self, r0: int, r1: int) -> "Fp8Array":
         return Fp8Array(self.q, self.r0 + r0, self.r0 + r1)
 
-    def _values(self, part: np.ndarray) -> np.ndarray:
-        """float32 values of a piece of the base (rounded to the cast's dtype first, for a cast)."""
+    def _values(self, part: np.ndarray, nans) -> np.ndarray:
+        """float32 values of a piece of the base (rounded to the cast's dtype first, for a cast); ``nans``: the
+        NaN flags of the blocks it lies in."""
         q = self.q
         if q.rounding is not None:
-            return _rounded(part, q.rounding, "fp8 rounded")
+            return _rounded(part, q.rounding, "fp8 rounded", nans=bool(np.any(nans)))
         return widened(part, q.base_dtype, "fp8 widened")
 
     def fill(self, out: np.ndarray) -> None:
@@ -141,7 +145,7 @@ class Fp8Array(LazyArray):
                 step = max(1, _CHUNK // max(1, cols))
                 for s in range(r, end, step):
                     e = min(end, s + step)
-                    quantize_rows(out[s - self.r0:e - self.r0], self._values(q.base[s:e]), scale_row)
+                    quantize_rows(out[s - self.r0:e - self.r0], self._values(q.base[s:e], q.nans[g]), scale_row)
             r = end
 
     def _fill_memory_order(self, out: np.ndarray) -> None:
@@ -159,7 +163,7 @@ class Fp8Array(LazyArray):
         for c0 in range(0, memory.shape[0], step):
             j = c0 // b1
             c1 = min(memory.shape[0], c0 + step, (j + 1) * b1)
-            values = self._values(memory[c0:c1, self.r0:self.r1])
+            values = self._values(memory[c0:c1, self.r0:self.r1], q.nans[self.r0 // b0:(self.r1 - 1) // b0 + 1, j])
             y = scratch(values.size * 4, "fp8 product").view(np.float32).reshape(values.shape)
             with np.errstate(over="ignore", invalid="ignore"):
                 np.multiply(values, scales[j], out=y)

@@ -178,6 +178,29 @@ def test_the_writers_lazy_form_gives_the_same_bytes(rows_at_a_time):
         np.testing.assert_array_equal(whole, eq)
 
 
+@pytest.mark.parametrize("use_ml_dtypes", [True, False])
+def test_a_bfloat16_cast_with_nans_and_infinities_in_some_blocks(use_ml_dtypes, monkeypatch):
+    """Blocks with a NaN are rounded with Paddle's NaN (0x7FFF: the e4m3 byte 0x7F, whatever the NaN's sign); the
+    others are rounded without looking for one: the bytes of the whole tensor's rule on the cast values."""
+    from paddle_fullparam_callbacks.host import casts
+
+    if not use_ml_dtypes:
+        monkeypatch.setattr(casts, "_BF16", None)
+    w = np.random.default_rng(6).standard_normal((96, 200)).astype(np.float32)
+    w[5, 7], w[70, 150], w[40, 20] = np.nan, -np.nan, np.inf
+    paddle_layout = np.ascontiguousarray(w.T)
+    for src in (w, paddle_layout.T):  # row-major, and a transposed view (read in memory order)
+        cast = CastArray(src, "float32", "bfloat16", np.dtype(np.uint16))
+        bits = cast.materialize()
+        assert bits[5, 7] == bits[70, 150] == 0x7FFF  # Paddle's NaN
+        with np.errstate(all="ignore"):
+            eq, einv = ref.quantize(ref.widen_bf16(bits), (32, 64))
+        q, inv, whole = _weights_of(lambda: Fp8Weight(cast, "bfloat16", (32, 64)), 17)
+        np.testing.assert_array_equal(inv, einv)
+        np.testing.assert_array_equal(q, eq)
+        assert q[5, 7] == q[70, 150] == 0x7F
+
+
 def test_a_float16_cast_takes_its_scales_from_the_float32_source():
     w = (np.random.default_rng(4).standard_normal((64, 64)) * 3000).astype(np.float32)
     w[0, 0] = 70000.0  # beyond float16: the cast gives inf, so the block's scale is 0 as for the cast values
