@@ -35,7 +35,6 @@ host memory within the same budget as the bfloat16 one's (``export.max_pending_b
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -87,22 +86,8 @@ def child(variant: str, out: Path) -> dict:
         return facts()
     C.quiet_logs()
     model = C.build_llama(seed=0)
-    from paddle_fullparam_callbacks.config import load_config
-    from paddle_fullparam_callbacks.export import ExportSession
-    from paddle_fullparam_callbacks.models.model_info import build_model_source
-
     writer_stats = C.record_writer_stats()
-    cfg = load_config(None, overrides(variant, out, "5GB"))
-    session = ExportSession(cfg, cfg.output_dir)
-    session.start()
-    source = build_model_source(model, cfg)
-    gc.collect()
-    C.trim_heap()
-    with C.RssSampler(0.002) as rss, C.CpuShare() as cpu:
-        t0 = time.perf_counter()
-        info = session.export(source, step=1)
-        seconds = time.perf_counter() - t0
-    session.close()
+    info, seconds, rss, cpu, _ = C.timed_export(model, overrides(variant, out, "5GB"))
     return {"variant": variant, "seconds": seconds, "peak_extra_rss": rss.extra, "rss_samples": rss.samples,
             "peak_pending_bytes": info.peak_pending_bytes, "model_bytes": C.parameter_bytes(model),
             "cpu": cpu.as_dict(), "timings": dict(info.timings), "writer_stats": writer_stats[-1] if writer_stats else {},
