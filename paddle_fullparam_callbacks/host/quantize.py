@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .casts import cast_into, f32_to_bf16, scratch
+from .casts import _BF16, cast_into, f32_to_bf16, scratch
 from .copy import copy_into
 from .fp8 import column_blocks_max, encode_e4m3, grid, quantize_rows, rows_max_abs, scales_of
 from .lazy import CastArray, LazyArray, computed, rows_of
@@ -40,7 +40,9 @@ def widened(rows, dtype: str, slot: str) -> np.ndarray:
     if dtype == "float32":
         return rows
     out = scratch(rows.size * 4, slot).view(np.float32).reshape(rows.shape)
-    if dtype == "bfloat16":
+    if dtype == "bfloat16" and _BF16 is not None:  # ml_dtypes' widening: the same 16-bit shift, 2.5x faster here
+        np.copyto(out, rows.view(_BF16), casting="unsafe")
+    elif dtype == "bfloat16":
         np.left_shift(rows, np.uint32(16), out=out.view(np.uint32), dtype=np.uint32)
     else:
         np.copyto(out, rows, casting="same_kind" if dtype == "float16" else "unsafe")

@@ -131,6 +131,19 @@ def test_decode_and_dequantize_agree_with_the_reference():
     assert np.max(np.abs(fp8.dequantize(q, inv, (32, 64)) - w)) <= np.max(np.abs(w)) / 16  # e4m3: 3 mantissa bits
 
 
+def test_bfloat16_is_widened_exactly_whatever_the_kernel(monkeypatch):
+    """Every bfloat16 pattern (NaN payloads included) widened to the float32 of its 16 bits shifted, with ml_dtypes'
+    kernel where it is installed and numpy's shift without it."""
+    from paddle_fullparam_callbacks.host import quantize
+
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    want = bits.astype(np.uint32) << 16
+    for kernel in (quantize._BF16, None):
+        monkeypatch.setattr(quantize, "_BF16", kernel)
+        np.testing.assert_array_equal(quantize.widened(bits, "bfloat16", "test").view(np.uint32), want)
+        np.testing.assert_array_equal(quantize.widened(bits[::-1], "bfloat16", "test").view(np.uint32), want[::-1])
+
+
 class _Lazy(LazyArray):
     """A lazy array of its own (as a LoRA merge is one): values computed from a plain array, row by row."""
 
