@@ -218,7 +218,8 @@ class ExportSession:
         beat = ctx.watchdog.beat if ctx.watchdog is not None else (lambda: None)
         # a mesh of one hands its slices to the writer as they are: a background export's slices then leave the
         # device straight into the staging ring (elsewhere they are assembled into new arrays first, and a LoRA
-        # merge's source would hold ring room while its result waits for some)
+        # merge's source would hold ring room while its result waits for some; a weight to quantize to FP8 is
+        # several times the bytes the ring is sized for: its e4m3 bytes go into the ring, not the weight)
         direct = ctx.mesh.size == 1 and not job.source.local_transforms and p.fp8 is None
         boundary = job.device = DeviceBoundary(self.config.export.device_budget,
                                                host_alloc=job.exporter.host_alloc() if direct else None,
