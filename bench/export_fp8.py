@@ -15,7 +15,8 @@ both ``export.dtype=bfloat16`` (float32 parameters: the writer casts):
   and float32 scales, the rest bfloat16.
 
 ``single``: each repetition runs both variants, in turn (the order alternating), each in a fresh process
-after waiting for idle CPUs (``ExportSession.export`` timed, all of it: planning, assembly, casts,
+after waiting for idle CPUs (a run during which other processes used more than 20% of the CPUs is repeated,
+up to 3 tries, the least disturbed kept, as ``export_single.py`` does) (``ExportSession.export`` timed, all of it: planning, assembly, casts,
 quantization, BLAKE3, writes, fsync, commit), with ``export_single.py``'s RSS sampler: peak extra RSS over
 the RSS right before the export. ``ranks``: one ``paddle.distributed.launch`` of 4 CPU ranks (dp4: every
 rank a replica, the files split across them, as ``export_ranks.py``), both variants alternating after one
@@ -53,6 +54,8 @@ REGIMES = {"tmpfs": "/dev/shm", "disk": "/tmp"}
 VARIANTS = ("bf16", "fp8")
 NPROC = 4
 MAX_SHARD = C.tiny("40MB", "100KB")  # 4 ranks: a few files each
+DISTURBED = 0.2  # others used more than this share of the CPUs during a run: it is repeated
+RETRIES = C.tiny(3, 1)
 TARGETS = {"time_ratio": "<= 1.15", "quantized_bytes_ratio": "<= 0.55",
            "peak_extra_rss": "fp8's within the writer's budget (export.max_pending_bytes: 512MB), as bf16's"}
 
@@ -137,14 +140,21 @@ def run_single(regimes, reps: int, quiet_wait: float) -> dict:
     for rep in range(reps):
         for regime in regimes:
             for v in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
-                tmp = Path(tempfile.mkdtemp(prefix=f"pfc-bench-fp8-{v}-", dir=REGIMES[regime]))
-                try:
-                    os.sync()
-                    q = C.wait_quiet(quiet_wait)
-                    r = C.run_child([__file__, "--variant", v, "--out", str(tmp / "out")])
-                    r["quiet"] = q
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
+                tries = []
+                for _ in range(RETRIES):  # a run others disturbed is repeated; the least disturbed is kept
+                    tmp = Path(tempfile.mkdtemp(prefix=f"pfc-bench-fp8-{v}-", dir=REGIMES[regime]))
+                    try:
+                        os.sync()
+                        q = C.wait_quiet(quiet_wait)
+                        r = C.run_child([__file__, "--variant", v, "--out", str(tmp / "out")])
+                        r["quiet"] = q
+                    finally:
+                        shutil.rmtree(tmp, ignore_errors=True)
+                    tries.append(r)
+                    if r["cpu"]["foreign_fraction"] <= DISTURBED:
+                        break
+                r = min(tries, key=lambda x: x["cpu"]["foreign_fraction"])
+                r["disturbed_tries"] = [t["cpu"]["foreign_fraction"] for t in tries if t is not r]
                 runs[(regime, v)].append(r)
                 print(f"single rep {rep + 1}/{reps} {regime:>5} {v:>4}: {r['seconds']:6.3f} s, "
                       f"{r['tensor_bytes'] / 1e6:7.1f} MB, peak extra RSS {r['peak_extra_rss'] / 2**20:6.1f} MiB, "
@@ -212,12 +222,14 @@ def rank_main(args) -> None:
                     os.sync()
                 dist.barrier()
                 step += 1
-                t0 = time.perf_counter()
-                info = session.export(source, step=step)
-                seconds = time.perf_counter() - t0
+                with C.CpuShare() as cpu:
+                    t0 = time.perf_counter()
+                    info = session.export(source, step=step)
+                    seconds = time.perf_counter() - t0
                 if rep >= 0:
                     row = {"rep": rep, "variant": v, "seconds": round(seconds, 4),
-                           "peak_pending_bytes": info.peak_pending_bytes}
+                           "peak_pending_bytes": info.peak_pending_bytes, "machine_cpu_s": round(cpu.machine, 3),
+                           "own_cpu_s": round(cpu.own, 3)}
                     if rank == 0:
                         row.update(snapshot_bytes(info.path))
                     entry["reps"].append(row)
@@ -256,11 +268,15 @@ def run_ranks(regimes, reps: int, timeout: float) -> dict:
                 per_rank = {r: next(x for x in d["regimes"][regime]["reps"] if x["rep"] == rep and x["variant"] == v)
                             for r, d in tagged.items()}
                 first = per_rank[min(per_rank)]
-                rows.append({"seconds": max(x["seconds"] for x in per_rank.values()),
+                wall = max(x["seconds"] for x in per_rank.values())
+                # others' CPU while the ranks ran: the machine's busy CPU (rank 0's window) minus the ranks' own
+                foreign = max(0.0, first["machine_cpu_s"] - sum(x["own_cpu_s"] for x in per_rank.values()))
+                rows.append({"seconds": wall, "foreign_cpu_fraction": round(foreign / (wall * (os.cpu_count() or 1)), 3),
                              "tensor_bytes": first["tensor_bytes"], "quantized_part_bytes": first["quantized_part_bytes"],
                              "peak_pending_bytes": max(x["peak_pending_bytes"] for x in per_rank.values())})
             rr[v] = rows
         res_ = summary(rr)
+        res_["foreign_cpu_fraction"] = {v: [r["foreign_cpu_fraction"] for r in rs] for v, rs in rr.items()}
         res_["peak_pending_bytes"] = {v: int(C.median([r["peak_pending_bytes"] for r in rs])) for v, rs in rr.items()}
         out["regimes"][regime] = res_
     return out
