@@ -399,6 +399,30 @@ def profile_top(stats, key: str, n: int, digits: int = 3) -> list:
     return rows
 
 
+def timed_export(model, overrides: List[str], step: int = 1):
+    """One export of ``model`` in this process (``ExportSession``, a recipe of ``overrides`` with its output_dir),
+    timed and RSS-sampled as the single-process benchmarks measure it: the export alone, after the heap is
+    trimmed. Returns (info, seconds, RssSampler, CpuShare, config)."""
+    import gc
+
+    from paddle_fullparam_callbacks.config import load_config
+    from paddle_fullparam_callbacks.export import ExportSession
+    from paddle_fullparam_callbacks.models.model_info import build_model_source
+
+    cfg = load_config(None, overrides)
+    session = ExportSession(cfg, cfg.output_dir)
+    session.start()
+    source = build_model_source(model, cfg)
+    gc.collect()
+    trim_heap()
+    with RssSampler(0.002) as rss, CpuShare() as cpu:
+        t0 = time.perf_counter()
+        info = session.export(source, step=step)
+        seconds = time.perf_counter() - t0
+    session.close()
+    return info, seconds, rss, cpu, cfg
+
+
 def record_writer_stats() -> list:
     """From now on every ``SnapshotWriter.close`` appends the writer's ``stats.snapshot()`` to the
     returned list (the per-thread breakdown of each export, for the benchmark's report)."""

@@ -34,7 +34,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,33 +62,17 @@ def _lora(model):
 
 
 def child(variant: str, out: Path) -> dict:
-    import gc
-
     C.quiet_logs()
     model = C.build_llama(seed=0)
     model_bytes = C.parameter_bytes(model)
     if variant != "plain":
         model = _lora(model)
-    from paddle_fullparam_callbacks.config import load_config
-    from paddle_fullparam_callbacks.export import ExportSession
-    from paddle_fullparam_callbacks.models.model_info import build_model_source
-
     out.mkdir(parents=True, exist_ok=True)
     overrides = [f"output_dir={out}", "export.max_shard_size=5GB"]
     if variant == "merged_adapter":
         overrides.append("export.peft_adapter=inside")
-    cfg = load_config(None, overrides)
-    session = ExportSession(cfg, cfg.output_dir)
-    session.start()
-    source = build_model_source(model, cfg)
-    gc.collect()
-    C.trim_heap()
     stats = C.record_writer_stats()
-    with C.RssSampler(0.002) as s, C.CpuShare() as cpu:
-        t0 = time.perf_counter()
-        info = session.export(source, step=1)
-        seconds = time.perf_counter() - t0
-    session.close()
+    info, seconds, s, cpu, cfg = C.timed_export(model, overrides)
     return {"variant": variant, "model_bytes": model_bytes, "seconds": seconds, "snapshot_bytes": info.bytes,
             "timings": dict(info.timings), "peak_pending_bytes": info.peak_pending_bytes,
             "peak_extra_rss": s.extra, "rss_baseline": s.baseline, "cpu": cpu.as_dict(),

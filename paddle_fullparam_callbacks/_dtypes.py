@@ -1,7 +1,9 @@
 """The one dtype table of the package: Paddle name, bytes, safetensors code, numpy storage.
 
 Every module that needs to translate a dtype reads it from here. bfloat16 has no numpy
-dtype; its bytes are carried as ``uint16`` (the same bit pattern Paddle and torch use).
+dtype; its bytes are carried as ``uint16`` (the same bit pattern Paddle and torch use), and
+float8_e4m3fn's as ``uint8``. float8_e4m3fn is ``quantized``: the writer makes it from a wider
+float with its block scales (``host/fp8.py``), never a dtype a tensor is cast to.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ class DType:
     st_code: str  # safetensors header code, e.g. "F32"
     np_storage: str  # numpy dtype holding the raw bytes
     is_float: bool
+    quantized: bool = False  # a storage the writer quantizes into (with scales), not a cast target
 
 
 _TABLE = (
@@ -25,6 +28,7 @@ _TABLE = (
     DType("float32", 4, "F32", "float32", True),
     DType("float16", 2, "F16", "float16", True),
     DType("bfloat16", 2, "BF16", "uint16", True),
+    DType("float8_e4m3fn", 1, "F8_E4M3", "uint8", True, quantized=True),
     DType("int64", 8, "I64", "int64", False),
     DType("int32", 4, "I32", "int32", False),
     DType("int16", 2, "I16", "int16", False),

@@ -28,7 +28,8 @@ def check_single_process(report: dict) -> None:
     every placement."""
     budgets = {"llama_bf16_budget0": 0}
     assert set(report["cases"]) == {"llama", "llama_bf16", "llama_bf16_budget0", "llama_staged", "llama_chunks", "tied",
-                                    "lora", "no_transpose", "llama_async", "slow_transposes"}
+                                    "lora", "no_transpose", "llama_async", "slow_transposes", "fp8", "lora_fp8",
+                                    "fp8_async"}
     for case, runs in report["cases"].items():
         budget = budgets.get(case, 16000)
         for where, run in runs.items():
@@ -85,3 +86,29 @@ def check_single_process(report: dict) -> None:
     assert slow["device_transposes"] == 2 < slow["transposes_asked"], slow
     assert slow["files"] == cases["llama"]["device"]["files"]
     assert slow["ring"]["arrays"] > 0 and slow["ring"]["copies"] == 0, slow["ring"]
+    check_fp8(cases)
+
+
+def check_fp8(cases: dict) -> None:
+    """FP8 on the device: the rule applied to the snapshot the same export makes without quantization (the
+    device's bfloat16 cast, the LoRA merge), bit for bit; the PEFT adapter as it is; a background export the same."""
+    import numpy as np
+
+    from _fp8_reference import quantize, widen_bf16
+    from _helpers import snapshot_tensors
+
+    block = (32, 48)
+    for case, plain_case in (("fp8", "llama_bf16"), ("lora_fp8", "lora")):
+        got = snapshot_tensors(Path(cases[case]["device"]["path"]))
+        plain = snapshot_tensors(Path(cases[plain_case]["device"]["path"]))
+        quantized = sorted(k for k in got if k + "_scale_inv" in got)
+        assert len(quantized) == 14 and set(got) == set(plain) | {k + "_scale_inv" for k in quantized}, case
+        for k, v in plain.items():
+            if k in quantized:
+                q, inv = quantize(widen_bf16(v) if v.dtype == np.uint16 else v, block)
+                assert got[k].tobytes() == q.tobytes() and got[k + "_scale_inv"].tobytes() == inv.tobytes(), (case, k)
+            else:
+                assert got[k].dtype == v.dtype and got[k].tobytes() == v.tobytes(), (case, k)
+    adapter = {n: d for n, d in cases["lora"]["device"]["files"].items() if n.startswith("adapter/")}
+    assert adapter and adapter == {n: d for n, d in cases["lora_fp8"]["device"]["files"].items() if n.startswith("adapter/")}
+    assert cases["fp8_async"]["device"]["files"] == cases["fp8"]["device"]["files"]

@@ -30,7 +30,7 @@ HELPERS = {"_common", "assembler_ranks"}  # imported or launched by the benchmar
 TIMEOUT_S = 480
 # reads those benchmarks' JSONs (so it runs after them; a missing one stops it: test_a_missing_input_stops_the_benchmark)
 NEEDS = {"thread_scaling": ("export_single",), "export_ranks": ("assembler", "export_single")}
-LAUNCHES = {"export_ranks", "assembler", "nodes_traffic", "visibility"}  # start paddle.distributed.launch
+LAUNCHES = {"export_ranks", "assembler", "nodes_traffic", "visibility", "export_fp8"}  # start paddle.distributed.launch
 
 # benchmark: {path in its JSON: None (present) or the value it must have}; the longest tiny runs first
 BENCHES = {
@@ -57,6 +57,12 @@ BENCHES = {
                      ("regimes", "tmpfs", "files_per_rank", "3"): None,
                      ("scaling_model", "predictions_s", "100Gb/s links, 2 NVMe per node", "ours_mp8xpp8",
                       "total_s"): None},
+    "export_fp8": {("single", "regimes", "tmpfs", "median_paired_time_ratio"): None,
+                   ("single", "regimes", "tmpfs", "quantized_bytes_ratio"): None,
+                   ("single", "regimes", "tmpfs", "peak_extra_rss_bytes", "fp8"): None,
+                   ("single", "facts", "one_thread_ns_per_element"): None,
+                   ("ranks", "regimes", "tmpfs", "median_paired_time_ratio"): None,
+                   ("ranks", "regimes", "tmpfs", "quantized_bytes_ratio"): None},
     "lora_merge": {("regimes", "tmpfs", "time_ratio_merged_vs_plain"): None,
                    ("regimes", "tmpfs", "peak_extra_rss_bytes", "merged"): None,
                    ("regimes", "tmpfs", "snapshot_bytes", "merged_adapter"): None},

@@ -82,6 +82,39 @@ def test_transformers_reads_a_converted_snapshot_with_paddles_logits(jobs, tmp_p
     assert hf["max_abs_diff"] <= 1e-4, hf
 
 
+def test_the_cli_converts_to_fp8_with_several_workers(jobs, tmp_path):
+    """``convert`` with ``export.quantization=fp8``: each worker quantizes the whole tensors of its files; every
+    quantized weight and scale is the rule's (``tests/_fp8_reference.py``) on the bfloat16 snapshot's tensor."""
+    import paddle
+
+    from _fp8_reference import quantize, widen_bf16
+    from _helpers import snapshot_tensors
+
+    base = jobs / "mp2"
+    out = tmp_path / "cli"
+    proc = subprocess.run(
+        [sys.executable, "-m", "paddle_fullparam_callbacks", "convert", str(base / CHECKPOINT), "--output-dir", str(out),
+         "--config", str(base / "model_config.json"), "--workers", "2", "export.max_shard_size=30KB",
+         "export.dtype=bfloat16", "export.quantization=fp8", "export.quantization_block=[32,32]"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    snap = out / "hf-step-000002"
+    assert verify_snapshot(snap).ok
+    writers = json.loads((snap / "fullparam_manifest.json").read_text())["topology"]["writers"]
+    assert sorted(writers) == ["0", "1"] and all(writers.values()), writers
+    got, fp32 = snapshot_tensors(snap), snapshot_tensors(base / SNAPSHOT)
+    quantized = sorted(k for k in got if k + "_scale_inv" in got)
+    assert len(quantized) == 14 and set(got) == set(fp32) | {k + "_scale_inv" for k in quantized}
+    for k, v in fp32.items():
+        bf16 = paddle.to_tensor(v).astype("bfloat16").view(paddle.uint16).numpy()
+        if k in quantized:
+            q, inv = quantize(widen_bf16(bf16), (32, 32))
+            assert got[k].tobytes() == q.tobytes() and got[k + "_scale_inv"].tobytes() == inv.tobytes(), k
+        else:
+            assert got[k].tobytes() == bf16.tobytes(), k
+    assert json.loads((snap / "config.json").read_text())["quantization_config"]["weight_block_size"] == [32, 32]
+
+
 def test_the_cli_converts_with_several_workers(jobs, tmp_path):
     base = jobs / "dp2"
     out = tmp_path / "cli"

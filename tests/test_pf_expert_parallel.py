@@ -85,7 +85,8 @@ def ep(tmp_path_factory, hf_python):
         assert res.rc == 0 and not res.timed_out, res.describe()
         for _, r in res.tagged("EP"):
             reports.setdefault((name, r["case"]), []).append(r)
-    snaps = sorted({s for (t, c) in ERNIE for r in reports.get((t, c), []) for s in r.get("hf", {}).get("snapshots", [])})
+    snaps = sorted({s for (t, c) in ERNIE for r in reports.get((t, c), []) for x in ("hf", "fp8")
+                    for s in r.get(x, {}).get("snapshots", [])})
     t0 = time.perf_counter()
     hf = {}
     if snaps:
@@ -237,6 +238,32 @@ def test_ernie_moe_export_every_expert_once_bit_exact(ep, topology, case):
     assert t["architecture"] == "Ernie4_5_MoeForCausalLM" and t["ok"], t
     assert t["missing"] == [] and t["unexpected"] == [] and t["mismatched"] == [] and t["wrong_dtype"] == [], t
     assert t["errors"] == [], t
+
+
+@pytest.mark.parametrize("topology, case", ERNIE, ids=ids(ERNIE))
+def test_ernie_moe_fp8_is_the_rule_applied_to_the_snapshot(ep, topology, case):
+    """export.quantization=fp8 in the same launch: each expert quantized whole by its writer. Every quantized
+    weight and its scale are the rule's (``tests/_fp8_reference.py``) on the Hugging Face snapshot's tensor (the
+    test above proves that one the single-process snapshot), the other tensors that snapshot's; verify and
+    transformers' loader (meta device) accept it."""
+    from _fp8_reference import quantize
+
+    reps = case_reports(ep, topology, case)
+    assert all(r["fp8"]["errors"] == [] and r["fp8"]["events"] == ["every_n_steps@1"] for r in reps), reps
+    snap, plain = Path(reps[0]["fp8"]["snapshots"][0]), Path(reps[0]["hf"]["snapshots"][0])
+    assert verify_snapshot(snap).ok
+    got, want = snapshot_tensors(snap), snapshot_tensors(plain)
+    quantized = sorted(k for k in got if k + "_scale_inv" in got)
+    assert len([k for k in quantized if EXPERT.match(k)]) == 2 * NUM_EXPERTS * 3
+    assert set(got) == set(want) | {k + "_scale_inv" for k in quantized}
+    for k, v in want.items():
+        if k in quantized:
+            q, inv = quantize(v, (16, 16))
+            assert got[k].tobytes() == q.tobytes() and got[k + "_scale_inv"].tobytes() == inv.tobytes(), k
+        else:
+            assert got[k].tobytes() == v.tobytes(), k
+    v = ep["hf"][str(snap)]
+    assert v["ok"] and v["transformers"]["ok"], v
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ same export from CPU tensors.
   buckets, against the full tensors rebuilt with numpy from every rank's dumped shards.
 - 4 ranks, PaddleFormers' ``LlamaForCausalLMPipe`` on pp2 x mp2 (the real pipeline and tensor-parallel
   classes, untied and tied; ``tests/multirank/pipe_job.py``), against the plain single-process model
-  exported on the CPU.
+  exported on the CPU; the untied one's FP8 export too (``pipe_job.FP8_CASES``).
 - ``paddle-fullparam selfcheck --device fakedev --nproc 4``.
 """
 from __future__ import annotations
@@ -36,6 +36,8 @@ from _helpers import snapshot_tensors  # noqa: E402
 from paddle_fullparam_callbacks import verify_snapshot  # noqa: E402
 from test_pf_multirank import expected_snapshot  # noqa: E402
 from test_pf_pipe import _embedding_row_check  # noqa: E402
+
+import pipe_job  # noqa: E402
 
 pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
 
@@ -109,6 +111,13 @@ def test_paddleformers_pipe_with_tensor_parallelism_on_the_device_exports_the_pl
         else:
             assert got[name].tobytes() == want[name].tobytes(), name
     assert verify_snapshot(Path(snap)).ok
+    if case in pipe_job.FP8_CASES:  # the FP8 export of the same step (a second callback, within the same budget)
+        (fp8,) = {s for r in reps for s in r["fp8"]["snapshots"]}
+        got, want = snapshot_tensors(Path(fp8)), snapshot_tensors(Path(ref_entry["fp8_snapshot"]))
+        quantized = {k for k in got if k + "_scale_inv" in got}
+        assert quantized and verify_snapshot(Path(fp8)).ok
+        for k in quantized | {k + "_scale_inv" for k in quantized}:
+            assert got[k].tobytes() == want[k].tobytes(), k
 
 
 def test_selfcheck_passes_on_the_fake_accelerator(tmp_path):

@@ -67,7 +67,8 @@ def pipe(tmp_path_factory, hf_python):
     seconds["transformers"] = round(time.perf_counter() - t0, 1)
     assert proc.returncode == 0, proc.stderr[-4000:]
     hf = json.loads(proc.stdout.strip().splitlines()[-1])
-    snaps = sorted({s for rs in reports.values() for r in rs for s in r.get("snapshots", [])})
+    snaps = sorted({s for rs in reports.values() for r in rs
+                    for s in r.get("snapshots", []) + r.get("fp8", {}).get("snapshots", [])})
     t0 = time.perf_counter()
     verified = {}
     if snaps:  # paddle-fullparam verify, once for all of them
@@ -207,3 +208,31 @@ def test_pipe_snapshot_is_the_single_process_snapshot(pipe, topology, case):
     if case.forward:
         assert rl["max_abs_diff_vs_plain"] <= TOLERANCE, rl
 
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("case", [c for c in BUILT if c.id in pipe_job.FP8_CASES], ids=list(pipe_job.FP8_CASES))
+def test_pipe_fp8_snapshot_is_the_single_process_one(pipe, topology, case):
+    """export.quantization=fp8 on pp2 and pp2 x mp2 (bfloat16: on pp2 x mp2 the holders cast before the bytes
+    travel, and each writer quantizes the whole tensors it writes): every quantized weight and scale is the
+    single-process FP8 snapshot's, bit for bit; every other tensor is the Pipe's own snapshot in bfloat16."""
+    from paddle_fullparam_callbacks.host.casts import f32_to_bf16
+
+    reps = case_reports(pipe, topology, case)
+    assert all(r["fp8"]["errors"] == [] for r in reps), reps
+    (snap,) = {s for r in reps for s in r["fp8"]["snapshots"]}
+    (plain,) = {s for r in reps for s in r["snapshots"]}
+    assert pipe["verified"][snap]["ok"], pipe["verified"][snap]["errors"]
+    got, ref = snapshot_tensors(Path(snap)), snapshot_tensors(Path(pipe["reference"][case.id]["fp8_snapshot"]))
+    plain = snapshot_tensors(Path(plain))
+    assert set(got) == set(ref)
+    quantized = {k for k in got if k + "_scale_inv" in got}
+    assert len(quantized) == 7 * pipe_job.LAYERS and {k for k in ref if k + "_scale_inv" in ref} == quantized
+    for k, v in got.items():
+        if k in quantized or k.endswith("_scale_inv"):
+            assert v.dtype == ref[k].dtype and v.tobytes() == ref[k].tobytes(), f"{k} differs from the single-process one"
+        else:
+            want = np.empty(plain[k].shape, np.uint16)
+            f32_to_bf16(want, plain[k])
+            assert v.tobytes() == want.tobytes(), k
+    config = json.loads((Path(snap) / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [16, 48] and config["dtype"] == "bfloat16"

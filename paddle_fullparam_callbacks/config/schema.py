@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from .. import _dtypes
 from ..plan.naming import validate_template
+from ..plan.quantization import DEFAULT_BLOCK, METHODS as QUANTIZATION_METHODS, check_block
 from .consumers import EvaluateConfig, PublishConfig, ServeConfig
 from .errors import ConfigError, check_choice as _check_choice
 from .publishing import check_against
@@ -115,6 +116,16 @@ class ExportConfig:
     the model's largest tensor ('0' allowed). Slices are copied to host memory in chunks (views: no
     device memory) and assembled there; a cast to export.dtype runs on the device chunk by chunk when
     a chunk fits in this budget, on the host otherwise. CPU parameters: ignored."""
+    quantization: str = "none"
+    """none | fp8: the snapshot's quantizable Linear weights (the architecture's declaration: attention and MLP
+    projections, experts included; never embeddings, the LM head, norms, router gates, biases or vision towers)
+    stored as float8_e4m3fn with a float32 ``<module>.weight_scale_inv`` per block, bit for bit transformers'
+    Fp8Quantize of the weight the snapshot would hold without it (in export.dtype, widened to float32); every
+    other tensor in export.dtype. Needs export.format=hf_safetensors; an architecture without a declaration is
+    refused when the job starts."""
+    quantization_block: Any = field(default_factory=lambda: list(DEFAULT_BLOCK))
+    """export.quantization: the block [rows, columns] of one scale (default [128, 128]; a weight whose
+    dimension is not a multiple of it has partial edge blocks)."""
     threads: Any = "auto"
     """Worker threads of this rank for an export's byte work (transposed copies into file order, casts,
     LoRA merges, BLAKE3), each large tensor cut into blocks of a few MB: a whole number >= 1, or auto:
@@ -129,6 +140,7 @@ class ExportConfig:
         if self.peft_adapter != "none" and self.format != "hf_safetensors":
             raise ConfigError("export.peft_adapter", f"a PEFT adapter holds Hugging Face names: it needs "
                                                      f"export.format=hf_safetensors, not {self.format!r}")
+        self._check_quantization()
         _check_size("export.max_shard_size", self.max_shard_size)
         _check_size("export.max_pending_bytes", self.max_pending_bytes, parse=pending_budget)
         _check_size("export.device_memory_budget", self.device_memory_budget, allow_zero=True)
@@ -164,6 +176,16 @@ class ExportConfig:
                 )
         elif self.callable:
             raise ConfigError("export.callable", f"is set but export.format is {self.format!r}, not 'callable'")
+
+    def _check_quantization(self) -> None:
+        _check_choice("export.quantization", self.quantization, QUANTIZATION_METHODS)
+        try:
+            self.quantization_block = list(check_block(self.quantization_block))
+        except ValueError as e:
+            raise ConfigError("export.quantization_block", str(e)) from e
+        if self.quantization != "none" and self.format != "hf_safetensors":
+            raise ConfigError("export.quantization", f"{self.quantization} snapshots are in the Hugging Face layout: they "
+                                                     f"need export.format=hf_safetensors, not {self.format!r}")
 
     def _check_tokenizer(self) -> None:
         path = self.tokenizer

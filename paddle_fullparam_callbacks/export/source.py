@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 
 class ExportError(RuntimeError):
@@ -85,6 +85,9 @@ class ModelSource:
     # read (after the device boundary: on the host), dropped once used
     local_transforms: Dict[str, Callable[[Any], Any]] = field(default_factory=dict)
     companions: List[Companion] = field(default_factory=list)
+    # export.quantization (FP8): fn([(destination name, shape)]) -> (the names stored as FP8, the modules
+    # config.json lists in modules_to_not_convert): the architecture's declaration (models/mappings)
+    quantization: Optional[Callable[[List[Tuple[str, tuple]]], Tuple[List[str], List[str]]]] = None
 
 
 @dataclass

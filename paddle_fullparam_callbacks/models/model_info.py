@@ -17,6 +17,7 @@ from .hf_config import config_dict as _config_dict
 from .hf_config import check_loadable, describe
 from .lora import attach_to_source as attach_lora, base_model as lora_base, lora_export
 from .mappings import check_destination_names, resolve_mapping
+from .mappings.fp8 import fp8_declaration
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
 
@@ -308,6 +309,10 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None,
                     type(model).__name__, row, row)
             else:
                 padding[key] = row
+    quantization = None
+    if config.export.quantization != "none":  # the architecture's declaration, or a ConfigError naming it
+        archs = (hf_config or {}).get("architectures") or [""]
+        quantization = fp8_declaration(archs[0])
     source = ModelSource(
         sharded_state_dict=read,
         aoa_config=resolved.aoa_config if resolved else None,
@@ -319,6 +324,7 @@ def build_model_source(model, config: FullParamConfig, tokenizer: Any = None,
         check_mapping=check,
         padding_rows=padding,
         notes=notes,
+        quantization=quantization,
     )
     if lora is not None:
         attach_lora(lora, source, config)  # merge transforms, PEFT adapter, manifest notes

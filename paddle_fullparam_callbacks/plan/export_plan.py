@@ -22,6 +22,8 @@ class TensorSpec:
     name: str
     shape: tuple
     dtype: str  # Paddle dtype name, see _dtypes
+    # the tensor this one is made from by the same writer (an FP8 weight's scale): always in its file
+    companion_of: "str | None" = None
 
     def __post_init__(self):
         try:
@@ -72,6 +74,12 @@ class ExportPlan:
     files: tuple
     max_shard_size: int
     slots: dict = field(repr=False, compare=False)  # name -> TensorSlot
+    companions: dict = field(default_factory=dict, repr=False, compare=False)  # companion name -> its tensor
+
+    def assembled(self):
+        """The names an assembler must deliver, in file order: every tensor but the companions (the writer
+        makes those from their tensor)."""
+        return [s.name for f in self.files for s in sorted(f.slots, key=lambda s: s.begin) if s.name not in self.companions]
 
     @property
     def total_tensor_bytes(self) -> int:
@@ -123,7 +131,10 @@ def build_header(slots: Sequence[TensorSlot], metadata: "dict | None") -> bytes:
 
 def _validate_specs(specs: Sequence[TensorSpec]) -> None:
     seen = set()
+    owners = {t.name for t in specs if t.companion_of is None}
     for t in specs:
+        if t.companion_of is not None and t.companion_of not in owners:
+            raise ValueError(f"tensor {t.name!r} is a companion of {t.companion_of!r}, which is not in the export")
         if not t.name or t.name == "__metadata__":
             raise ValueError(f"invalid tensor name {t.name!r}")
         if t.name in seen:
@@ -162,24 +173,38 @@ def build_export_plan(
 
 def pack(specs: Iterable[TensorSpec], max_shard_size: int) -> list:
     """Tensors in natural name order, cut into consecutive groups of at most ``max_shard_size`` data bytes
-    (a larger tensor alone). Always at least one group.
+    (a larger tensor alone). Always at least one group. A companion follows its tensor into its group.
 
     >>> [[t.name for t in g] for g in pack([TensorSpec(n, (2,), "float32") for n in "abc"], 16)]
     [['a', 'b'], ['c']]
+    >>> [[t.name for t in g] for g in pack([TensorSpec("a", (2,), "float32"), TensorSpec("b", (2,), "float32"),
+    ...                                     TensorSpec("a_s", (1,), "float32", companion_of="a")], 12)]
+    [['a', 'a_s'], ['b']]
     """
     groups: list = []
     current: list = []
     current_bytes = 0
-    for t in sorted(specs, key=lambda t: natural_key(t.name)):
-        nbytes = t.nbytes
+    for unit in units(specs):
+        nbytes = sum(t.nbytes for t in unit)
         if current and current_bytes + nbytes > max_shard_size:
             groups.append(current)
             current, current_bytes = [], 0
-        current.append(t)
+        current.extend(unit)
         current_bytes += nbytes
     if current or not groups:
         groups.append(current)
     return groups
+
+
+def units(specs: Iterable[TensorSpec]) -> list:
+    """``[[tensor, its companions...], ...]`` in natural name order of the tensors: what files never split."""
+    specs = list(specs)
+    extra: dict = {}
+    for t in specs:
+        if t.companion_of is not None:
+            extra.setdefault(t.companion_of, []).append(t)
+    return [[t, *extra.get(t.name, ())] for t in sorted((t for t in specs if t.companion_of is None),
+                                                         key=lambda t: natural_key(t.name))]
 
 
 def plan_from_groups(groups: Sequence[Sequence[TensorSpec]], max_shard_size: int, *, prefix: str = "model",
@@ -205,7 +230,11 @@ def plan_from_groups(groups: Sequence[Sequence[TensorSpec]], max_shard_size: int
         # torch-format loader converts names only for that layout)
         name = f"{prefix}.safetensors" if n == 1 else f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
         files.append(ShardFile(i, name, build_header(slots, metadata), tuple(slots)))
-    return ExportPlan(tuple(files), max_shard_size, slots_by_name)
+    companions = {t.name: t.companion_of for t in specs if t.companion_of is not None}
+    for name, owner in companions.items():
+        if slots_by_name[name].file_index != slots_by_name[owner].file_index:
+            raise ValueError(f"tensor {name!r} must be in the file of {owner!r}, which it is made from")
+    return ExportPlan(tuple(files), max_shard_size, slots_by_name, companions)
 
 
 def assign_writers(plan: ExportPlan, num_writers: int) -> tuple:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from .boxes import Holding, HoldingIndex, Need, elements
-from .export_plan import ExportPlan, TensorSpec, natural_key, pack, plan_from_groups
+from .export_plan import ExportPlan, TensorSpec, natural_key, pack, plan_from_groups, units
 from .topology import Mesh, TopologyPlan, WritePlan
 
 BALANCE_LIMIT = 1.25
@@ -92,7 +92,7 @@ def _cap(members: Sequence[_Tensor], writers: int, max_shard_size: int, split_fl
     which packing in name order makes at most ``writers`` files: files as even as contiguous runs allow."""
     specs = [t.spec for t in members]
     total = sum(s.nbytes for s in specs)
-    lo = max([-(-total // writers), split_floor] + [s.nbytes for s in specs])
+    lo = max([-(-total // writers), split_floor] + [sum(s.nbytes for s in u) for u in units(specs)])
     if lo >= max_shard_size or len(pack(specs, max_shard_size)) > writers:
         return max_shard_size
     hi = max_shard_size
@@ -121,10 +121,16 @@ def plan_placement(specs: Sequence[TensorSpec], needs: Mapping[str, Sequence[Nee
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
     node_of = node_of or {}
     meshes = topology.meshes
-    tensors = _tensors(specs, needs, holdings, meshes[holding_mesh])
+    # a companion (an FP8 weight's scale) is made by its tensor's writer: it follows the tensor, holds no bytes
+    tensors = _tensors([s for s in specs if s.companion_of is None], needs, holdings, meshes[holding_mesh])
+    companions: Dict[str, List[_Tensor]] = defaultdict(list)
+    for s in specs:
+        if s.companion_of is not None:
+            companions[s.companion_of].append(_Tensor(s, [], ()))
     by_candidates: Dict[FrozenSet[Position], List[_Tensor]] = defaultdict(list)
     for t in tensors:
         by_candidates[t.candidates].append(t)
+        by_candidates[t.candidates].extend(companions.get(t.spec.name, ()))
     groups: List[Tuple[FrozenSet[Position], List[_Tensor]]] = []
     for cands, members in by_candidates.items():
         by_name = {t.spec.name: t for t in members}

@@ -6,7 +6,8 @@ real-client environment (torch, transformers, sentencepiece, gguf; no Paddle):
 - the converter runs as a person runs it, ``python convert_hf_to_gguf.py SNAPSHOT --outfile OUT.gguf
   --outtype f32`` (f32: float32 weights are written as they are); its exit code and output are reported;
 - every tensor of the GGUF (read with the gguf package's ``GGUFReader``) against the snapshot's tensor of
-  the same weight (llama.cpp's names for a Llama: the table below), bit for bit; the attention's q and k
+  the same weight (llama.cpp's names for a Llama: the table below), bit for bit (an FP8 snapshot's weights
+  dequantized by the layout, which the converter does itself); the attention's q and k
   rows after undoing the permutation the converter documents for Llama (llama.cpp's rotary embedding
   rotates neighbouring rows of a head, Hugging Face's the two halves of it);
 - the tokenizer metadata against the snapshot's ``tokenizer.model`` read with sentencepiece: every piece,
@@ -47,11 +48,25 @@ def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def snapshot_tensors(path: Path) -> dict:
-    from safetensors.numpy import load_file
+    """Every weight of the snapshot as the float32 values the converter must write with ``--outtype f32``:
+    float32 as stored, bfloat16 widened, an FP8 weight dequantized by the layout (e4m3 value times its block's
+    ``weight_scale_inv``, partial edge blocks included; the scales themselves are no weights)."""
+    import torch
+    from safetensors.torch import load_file
 
-    out = {}
+    raw = {}
     for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
+        raw.update(load_file(str(f)))
+    config = json.loads((path / "config.json").read_text())
+    block = (config.get("quantization_config") or {}).get("weight_block_size")
+    out = {}
+    for name, t in raw.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            scale = raw[name + "_scale_inv"].repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+            t = t.to(torch.float32) * scale[:t.shape[0], :t.shape[1]]
+        out[name] = t.to(torch.float32).numpy()
     return out
 
 

@@ -16,7 +16,8 @@ layers, layer 1 a MoE layer with 4 experts and a shared expert) built with ``moe
 deterministic values by name (``pipe_job.set_trained_values``: the same on every rank that holds a
 replica), every rank dumps its sharded state dict (``dump/``), and two callbacks export step 1 through
 the trainer's callback handler: Hugging Face format (``hf/``, PaddleFormers' own mapping) and
-``export.format=paddle_safetensors`` (``paddle/``, Paddle names, no mapping).
+``export.format=paddle_safetensors`` (``paddle/``, Paddle names, no mapping); a third one the FP8 snapshot
+(``fp8/``, ``export.quantization=fp8``: each expert quantized whole by the rank that writes it).
 
 ``toy-<axis>``: the harness's tensor-parallel ``TinyParallelLlama`` with per-rank experts added:
 ``model.layers.N.mlp.experts.E.weight`` (Paddle [in, out], 4 per layer) held whole by the owning rank
@@ -44,6 +45,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "zoo"), str(HERE.parent)]
 import harness  # noqa: E402
 
 NUM_EXPERTS = 4  # per MoE layer, both models
+FP8 = ["export.quantization=fp8", "export.quantization_block=[16,16]"]
 COMMON = ["retention.keep_last=0", "on_error=raise", "export.max_shard_size=64KB"]
 TOY_EXPERT_AOA = "model.layers.$LAYER_ID.mlp.experts.$EXPERT_ID.weight^T -> model.layers.$LAYER_ID.mlp.experts.$EXPERT_ID.weight"
 
@@ -128,12 +130,14 @@ def run_ernie(group: str, out: Path, hcg, dp: int, mp: int) -> dict:
     harness.dump_shards(model.sharded_state_dict(), out / "dump")
     callbacks = [FullParamExportCallback(None, overrides=[f"output_dir={out / 'hf'}", "trigger.every_n_steps=1", *COMMON]),
                  FullParamExportCallback(None, overrides=[f"output_dir={out / 'paddle'}", "trigger.every_n_steps=1",
-                                                          "export.format=paddle_safetensors", *COMMON])]
+                                                          "export.format=paddle_safetensors", *COMMON]),
+                 FullParamExportCallback(None, overrides=[f"output_dir={out / 'fp8'}", "trigger.every_n_steps=1",
+                                                          *FP8, *COMMON])]
     try:
         fire(callbacks, model, trainer_args(out, dp, mp), [1], lambda step: None)
     except Exception as e:  # the package reports a refused plan or export on every rank alike
         rep["export_error"] = f"{type(e).__name__}: {e}"
-    rep["hf"], rep["paddle"] = cb_report(callbacks[0]), cb_report(callbacks[1])
+    rep["hf"], rep["paddle"], rep["fp8"] = (cb_report(cb) for cb in callbacks)
     return rep
 
 

@@ -20,7 +20,9 @@ Cases (one process, so Paddle and the frameworks are imported once):
 - ``slow_transposes``: a background export (``export.async_write``) on a device whose ``contiguous`` takes
   5 ms a call (slower than its copies to the host), judged on the second weight (``TIMED_BYTES`` 1): the
   first two Linear weights are transposed on the device, then the host's writer threads transpose the rest;
-- ``mixed``: the llama with its first decoder layer and its LM head moved to the CPU (offloaded).
+- ``mixed``: the llama with its first decoder layer and its LM head moved to the CPU (offloaded);
+- ``fp8``, ``lora_fp8``, ``fp8_async``: ``export.quantization=fp8`` of the llama (``bfloat16``), of the LoRA
+  model (merged, then quantized; its PEFT adapter) and of the llama in a background export.
 
 The process runs with the plugin's ``contiguous`` kernel (``device_env(kernels=True)``): the Linear
 weights are transposed on the device where the budget allows, and each export reports how often the
@@ -44,6 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent)]
 
 DEVICE = "fakedev:0"
+FP8 = ["export.quantization=fp8", "export.quantization_block=[32,48]"]  # partial edge blocks: 64 = 48 + 16
 
 
 def export(model, out: Path, overrides) -> dict:
@@ -168,6 +171,11 @@ def main() -> int:
         "no_transpose": ("llama", [budget, "export.dtype=bfloat16"]),  # contiguous refused on the device
         "llama_async": ("llama", [budget, "export.async_write=true"]),  # device -> the staging ring, once
         "slow_transposes": ("llama", [budget, "export.async_write=true"]),  # contiguous slower than the copies
+        # FP8 (export.quantization): quantized on the host from the bfloat16 cast (made on the device where the
+        # budget allows); a LoRA model merged, then quantized, its PEFT adapter as it is; a background export
+        "fp8": ("llama", [budget, "export.dtype=bfloat16", *FP8]),
+        "lora_fp8": ("lora", [budget, "export.peft_adapter=inside", *FP8]),
+        "fp8_async": ("llama", [budget, "export.dtype=bfloat16", "export.async_write=true", *FP8]),
     }
     report = {"framework": ns.framework, "cases": {}}
     from paddle_fullparam_callbacks.assemble import device

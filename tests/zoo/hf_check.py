@@ -19,6 +19,7 @@ import transformers
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
 from paddle_fullparam_callbacks.export.verify.hf import verify_with_transformers  # noqa: E402
+import fp8_zoo  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf_client"))
 from use_snapshot import gguf_input_checks, use_with_transformers  # noqa: E402
@@ -32,6 +33,11 @@ def check(entry: dict) -> dict:
     if not snapshot:
         return {"error": "no snapshot"}
     out["verify"] = verify_with_transformers(snapshot).as_dict()
+    if (entry.get("fp8") or {}).get("snapshot"):  # the FP8 export of the same model (fp8_zoo.py)
+        try:
+            out["fp8"] = fp8_zoo.hf_check(entry)
+        except Exception as e:  # reported per case; the test names it
+            out["fp8"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
     if entry.get("multimodal"):  # image-text-to-text: hf_mm.py loads and compares it
         import hf_mm
 

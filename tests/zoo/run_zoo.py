@@ -8,7 +8,7 @@ framework's real Trainer and ``FullParamExportCallback`` at default settings (on
 end of training), then record Paddle's logits on ids that include 0, pad, bos and eos, and reload
 the snapshot into the framework single-process. Cases whose forward cannot run here are exported
 without training. Writes ``OUT_DIR/results.json``: one entry per case, for ``hf_check.py`` and the
-tests.
+tests; the same model is exported once more as FP8 (``fp8_zoo.py``).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1])]
 
 from _helpers import paddle_logits  # noqa: E402
 from case import ZooCase, all_cases  # noqa: E402
+import fp8_zoo  # noqa: E402
 import mm_zoo  # noqa: E402
 
 STEPS = 3
@@ -237,6 +238,7 @@ def run_case(case: ZooCase, out: Path) -> dict:
     entry["snapshot"] = str(snapshot) if snapshot else None
     if snapshot is not None:
         entry["manifest_model"] = json.loads((Path(snapshot) / "fullparam_manifest.json").read_text()).get("model")
+        entry["fp8"] = dict(fp8_zoo.export(case, model, work), multimodal=bool(mm))  # the same model, FP8
     if mm and case.no_forward is None:  # text and one image (mm_zoo.py), and the reload
         entry.update(mm_zoo.record(case, model, work, lambda ids: reload_logits(case, Path(snapshot), ids, "eval")))
     elif case.no_forward is None:

@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mm_zoo  # noqa: E402  (tests/zoo, on the path of its importers)
+import fp8_zoo  # noqa: E402  (tests/zoo, on the path of its importers)
+import mm_zoo  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TOLERANCE = 1e-4  # fp32 logits, max abs diff
@@ -72,6 +73,7 @@ def check_case(case, entry: dict, hf: dict) -> None:
         check_use(hf)
     for expected in case.extra.get("repairs", ()):
         assert any(expected in r for r in notes.get("mapping_repairs", [])), notes
+    fp8_zoo.check(case, entry, hf)  # the same model exported as FP8
 
 
 def check_use(hf: dict) -> None:

@@ -32,10 +32,12 @@ def versions() -> dict:
 
 
 def dominant_float_dtype(plan: ExportPlan):
-    """The floating dtype holding most bytes (what config.json's dtype should say)."""
+    """The floating dtype holding most bytes (what config.json's dtype should say): quantized weights and
+    what is made from them (their scales) are not counted, they are the quantization's."""
     by = collections.Counter()
     for s in plan.slots.values():
-        if _dtypes.lookup(s.dtype).is_float:
+        row = _dtypes.lookup(s.dtype)
+        if row.is_float and not row.quantized and s.name not in plan.companions:
             by[s.dtype] += s.nbytes
     return by.most_common(1)[0][0] if by else None
 

@@ -11,6 +11,7 @@ from typing import Callable, Dict, Optional
 
 from ...assemble.arrays import to_paddle
 from ...config.schema import ConfigError
+from ...host.quantize import Fp8Weight
 from ...plan.export_plan import ExportPlan
 from ..write.writer import FileResult, SnapshotWriter
 from .host import detached_copy, plain_array, to_host_array, with_zero_row
@@ -22,8 +23,9 @@ class Exporter:
     writes_files = True
     uses_mapping = True
 
-    def begin(self, plan: ExportPlan, staging_dir: Optional[Path], step: int, file_indices=None) -> None:
-        """``file_indices``: the files this rank writes (None: all)."""
+    def begin(self, plan: ExportPlan, staging_dir: Optional[Path], step: int, file_indices=None, fp8=None) -> None:
+        """``file_indices``: the files this rank writes (None: all); ``fp8``: the weights stored as FP8
+        (``plan.quantization.Fp8Plan``), quantized here from the tensors handed to :meth:`write`."""
         raise NotImplementedError
 
     def write(self, name: str, tensor, zero_row: Optional[int] = None) -> None:
@@ -57,8 +59,10 @@ class SafetensorsExporter(Exporter):
         self.copy = copy  # async: training resumes before the bytes are on disk, so hand over a copy
         self.ring = ring  # reusable host memory for those copies (HostRing), if any
         self.writer: Optional[SnapshotWriter] = None
+        self.fp8 = None
 
-    def begin(self, plan, staging_dir, step, file_indices=None):
+    def begin(self, plan, staging_dir, step, file_indices=None, fp8=None):
+        self.fp8 = fp8
         self.writer = SnapshotWriter(plan, staging_dir, file_indices, max_pending_bytes=self.max_pending_bytes,
                                      background=self.background, threads=self.threads)
 
@@ -71,6 +75,19 @@ class SafetensorsExporter(Exporter):
 
     def write(self, name, tensor, zero_row=None):
         arr = to_host_array(tensor)
+        q = self.fp8.weights.get(name) if self.fp8 is not None else None
+        if q is not None:
+            if zero_row is not None:
+                raise ValueError(f"tensor {name!r}: a weight stored as FP8 has no padding row to zero")
+            # the scales now (one read of the weight, on the workers), the e4m3 bytes where the writer makes them;
+            # the scale goes first: it comes first in the file (float32 before bytes)
+            fp8 = Fp8Weight(arr, q.dtype, q.block)
+            self._put(q.scale, fp8.scale_inv)
+            self._put(name, fp8.weight)
+            return
+        self._put(name, arr, zero_row)
+
+    def _put(self, name, arr, zero_row=None):
         release = None
         if self.copy and self.ring is not None and self.ring.holds(arr):  # in the ring already: as it is
             self.ring.label(arr, name)
@@ -119,7 +136,7 @@ class CallableExporter(Exporter):
         self.step = None
         self.plan: Optional[ExportPlan] = None
 
-    def begin(self, plan, staging_dir, step, file_indices=None):
+    def begin(self, plan, staging_dir, step, file_indices=None, fp8=None):
         self.step, self.plan = step, plan
 
     def write(self, name, tensor, zero_row=None):

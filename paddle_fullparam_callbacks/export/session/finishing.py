@@ -208,12 +208,13 @@ class Committer:
     def commit(self, job: ExportJob, files, timings) -> None:
         staging, name, p, source = job.staging, job.name, job.p, job.source
         _faults.point("side_files")
-        extra = self.write_side_files(staging, source, p.plan)
+        extra = self.write_side_files(staging, source, p.plan, p.fp8)
         topo = self.ctx.topology
         manifest = build_manifest(
             name=name, step=job.step, reason=job.reason, metrics=job.metrics, config=self.config, plan=p.plan,
             files={**files, **extra}, timings=timings, framework=source.framework,
             model={**source.notes, **({"padding_rows_zeroed": p.zero_rows} if p.zero_rows else {}),
+                   **({"quantization": p.fp8.describe()} if p.fp8 is not None else {}),
                    **({"companions": _companion_table(job.companions)} if job.companions else {})},
             run={"id": self.run_id, "seq": self.seq},
             topology={
@@ -272,8 +273,9 @@ class Committer:
         if removed:
             logger.info("retention (keep_last=%d, keep_best=%d) removed %s", ret.keep_last, ret.keep_best, removed)
 
-    def write_side_files(self, staging: Path, source: ModelSource, plan: ExportPlan) -> Dict[str, tuple]:
-        """Index, config.json, generation_config.json, tokenizer files -> {file: (bytes, digest)}."""
+    def write_side_files(self, staging: Path, source: ModelSource, plan: ExportPlan, fp8=None) -> Dict[str, tuple]:
+        """Index, config.json (with ``fp8``'s quantization_config), generation_config.json, tokenizer files ->
+        {file: (bytes, digest)}."""
         written = []
         if plan.needs_index:
             commit.write_json_durable(staging / commit.INDEX, plan.index())
@@ -285,6 +287,8 @@ class Committer:
                 dtype = dominant_float_dtype(plan)
                 if dtype:
                     cfg["dtype"] = dtype  # transformers >= 4.56 writes and reads this key (torch_dtype before)
+                if fp8 is not None:
+                    cfg["quantization_config"] = fp8.config()
                 commit.write_json_durable(staging / "config.json", cfg)
                 written.append("config.json")
             if source.generation_config:

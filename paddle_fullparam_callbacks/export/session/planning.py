@@ -7,6 +7,7 @@ the session: recomputed only when some rank's parameter names, shapes or dtypes 
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -19,9 +20,12 @@ from ...assemble.routed import holdings_of, needs_of
 from ...config.schema import FullParamConfig
 from ...plan.export_plan import ExportPlan, build_export_plan
 from ...plan.placement import plan_placement
+from ...plan.quantization import MISREAD, Fp8Plan, plan_fp8
 from ...plan.routing import RoutePlan, plan_routes
 from ...plan.topology import WritePlan, plan_writes
 from ..source import ExportError, ModelSource
+
+logger = logging.getLogger("paddle_fullparam_callbacks")
 
 
 @dataclass
@@ -37,6 +41,7 @@ class PreparedExport:
     balance: float = 1.0  # the largest writer's bytes / the mean
     balance_note: str = ""
     early_cast: frozenset = frozenset()  # routed: source keys their holders cast to export.dtype before sending
+    fp8: Optional[Fp8Plan] = None  # export.quantization=fp8: the weights the writers quantize, their scales
 
 
 def digest(obj) -> str:
@@ -67,6 +72,20 @@ def _check_paddle_assembler(sd) -> None:
         raise MappingError(f"assembler=paddle runs Paddle's own full_param, which assembles on the device without a "
                            f"bound (export.device_memory_budget); {len(on_acc)} parameter(s) are on "
                            f"{sd[on_acc[0]].local_tensor.place} (e.g. {on_acc[0]!r}): use assembler=builtin")
+
+
+def quantization_plan(config: FullParamConfig, source: ModelSource, specs, zero_rows) -> Optional[Fp8Plan]:
+    """export.quantization=fp8: the declared weights of the snapshot (``source.quantization``) as FP8."""
+    if config.export.quantization == "none":
+        return None
+    if source.quantization is None:
+        raise MappingError(f"export.quantization={config.export.quantization} needs the architecture's declaration of "
+                           "the weights it quantizes; this model source has none")
+    selected, not_convert = source.quantization([(s.name, s.shape) for s in specs])
+    rows = sorted(set(selected) & set(zero_rows))
+    if rows:  # embeddings are never declared: a declaration that says otherwise is wrong
+        raise MappingError(f"{rows[0]!r} is declared for FP8 but has a padding row to zero (an embedding)")
+    return plan_fp8(specs, selected, not_convert, config.export.quantization_block)
 
 
 def plan_export(ctx, config: FullParamConfig, source: ModelSource, sd: Optional[dict],
@@ -107,18 +126,20 @@ def plan_export(ctx, config: FullParamConfig, source: ModelSource, sd: Optional[
             source.check_mapping(dmap)
         zero_rows = padding_destinations(dmap, padding_rows)
         specs = apply_export_dtype(dmap.specs, config.export.dtype)
+        fp8 = quantization_plan(config, source, specs, zero_rows)
+        specs = fp8.specs(specs) if fp8 is not None else specs
         routes, balance, note = None, 1.0, ""
         early: frozenset = frozenset()
         if config.topology.schedule == "routed" and not from_files and ctx.world_size > 1:
             # sources cast to the snapshot's dtype by their holder, before they travel (bytes of that dtype move)
-            early = frozenset(castable_early(dmap, [s.name for s in specs], config.export.dtype,
-                                             source.local_transforms or {}))
-            needs = needs_of(dmap, [s.name for s in specs])
+            names = [s.name for s in specs if s.companion_of is None]  # a companion is made by its tensor's writer
+            early = frozenset(castable_early(dmap, names, config.export.dtype, source.local_transforms or {}))
+            needs = needs_of(dmap, names)
             holdings = holdings_of(records, {k: config.export.dtype for k in early})
             placed = plan_placement(specs, needs, holdings, ctx.topology, ctx.mesh.index,
                                     config.export.max_shard_bytes, dict(enumerate(ctx.nodes)))
             plan, writes, balance, note = placed.plan, placed.writes, placed.balance, placed.note
-            order = [s.name for f in plan.files for s in sorted(f.slots, key=lambda s: s.begin)]
+            order = plan.assembled()
             if ctx.mesh.size > 1:
                 mine = set(writes.files_of_mesh(ctx.mesh.index))
                 mesh_order = [n for n in order if plan.slots[n].file_index in mine]
@@ -127,9 +148,9 @@ def plan_export(ctx, config: FullParamConfig, source: ModelSource, sd: Optional[
                                      config.topology.bucket_for(1), BCAST_CHUNK_BYTES)
         else:
             plan = build_export_plan(specs, config.export.max_shard_bytes)
-            order = [s.name for f in plan.files for s in sorted(f.slots, key=lambda s: s.begin)]
+            order = plan.assembled()
             writes = plan_writes(ctx.topology, [f.total_bytes for f in plan.files])
-        prepared = PreparedExport(world_sig, records, dmap, plan, order, writes, zero_rows, routes, balance, note, early)
+        prepared = PreparedExport(world_sig, records, dmap, plan, order, writes, zero_rows, routes, balance, note, early, fp8)
         plan_digest = digest([[(f.name, f.header) for f in plan.files], writes])
     except Exception as e:  # reported on every rank below, never raised alone
         error = f"{type(e).__name__}: {e}"
@@ -143,4 +164,10 @@ def plan_export(ctx, config: FullParamConfig, source: ModelSource, sd: Optional[
             "ranks computed different export plans (their models differ in names, shapes or dtypes, "
             "or their configs differ); refusing to export"
         )
+    if prepared.fp8 is not None and prepared.fp8.misread and ctx.is_coordinator:
+        names = prepared.fp8.misread
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        logger.warning("export.quantization: %d weight(s) have a dimension that is not a multiple of the block %s "
+                       "and spans several blocks (%s%s): %s", len(names), list(prepared.fp8.block),
+                       ", ".join(names[:3]), more, MISREAD)
     return prepared

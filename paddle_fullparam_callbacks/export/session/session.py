@@ -218,13 +218,14 @@ class ExportSession:
         beat = ctx.watchdog.beat if ctx.watchdog is not None else (lambda: None)
         # a mesh of one hands its slices to the writer as they are: a background export's slices then leave the
         # device straight into the staging ring (elsewhere they are assembled into new arrays first, and a LoRA
-        # merge's source would hold ring room while its result waits for some)
-        direct = ctx.mesh.size == 1 and not job.source.local_transforms
+        # merge's source would hold ring room while its result waits for some; a weight to quantize to FP8 is
+        # several times the bytes the ring is sized for: its e4m3 bytes go into the ring, not the weight)
+        direct = ctx.mesh.size == 1 and not job.source.local_transforms and p.fp8 is None
         boundary = job.device = DeviceBoundary(self.config.export.device_budget,
                                                host_alloc=job.exporter.host_alloc() if direct else None,
                                                background=self.config.export.async_write and job.exporter.writes_files)
         try:
-            job.exporter.begin(p.plan, job.staging, job.step, my_files)
+            job.exporter.begin(p.plan, job.staging, job.step, my_files, fp8=p.fp8)
             with ctx.waiting("assembly", ctx.mesh_ranks):  # export.timeout_s: no tensor for that long ends the job
                 for tname, tensor in stream_tensors(ctx, self.config, sd, p, job.source, targets, keep,
                                                     job.exporter.wait_for_room, boundary, job.traffic, beat):

@@ -4,7 +4,8 @@ Everything read is untrusted and every flaw is reported, never raised: names fro
 and the index must be plain file names and are opened through ``paths`` (never outside
 the snapshot, never through a symbolic link); values of the wrong type are named with their
 key. Headers are read with the bounds-checked reader of ``write.header`` (never pickle).
-Output directories (snapshots plus ``latest``/``best``) are checked by ``tree``.
+Output directories (snapshots plus ``latest``/``best``) are checked by ``tree``; an FP8 snapshot's layout
+(scales, shapes, config.json) by ``quantized``.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ..commit import INDEX, MANIFEST
 from ..write.header import SafetensorsFormatError, parse_header, short
 from ..write import checksum
 from .paths import SnapshotDir, Unreadable, describe_path, json_kind, label, name_problem
+from .quantized import check_fp8
 
 MAX_ERRORS = 100  # per report; a damaged index can name every tensor
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
@@ -106,6 +108,7 @@ def _check(snap: SnapshotDir, report: VerifyReport, check_hashes: bool, mapped: 
     if index is not None:
         total = _check_tensors(index[0], headers, files, report)
         _check_totals(manifest, index[1], total, report)
+    check_fp8(snap, {n: e for entries in headers.values() for n, e in entries.items()}, report)
 
 
 def _load_object(snap: SnapshotDir, name: str, report: VerifyReport) -> Optional[dict]:
