@@ -52,7 +52,7 @@ def _no_process_left(tmp_path):
     (["evaluate.wait_at_end_s=-1"], r"^evaluate.wait_at_end_s: must be a number of seconds >= 0"),
     (["evaluate.nice=20"], r"^evaluate.nice: must be a whole number >= 0 and <= 19; got 20$"),
     (["retention.metric=evaluate.score"], r"^retention.metric: 'evaluate.score' follows a score of the evaluation hook, "
-                                          r"but neither evaluate.command nor evaluate.callable is set$"),
+                                          r"but neither evaluate.command, evaluate.callable nor evaluate.lm_eval.tasks is set$"),
     (["evaluate.command=x", "export.format=callable", "export.callable=a:b"],
      r"^evaluate.command: export.format=callable writes no snapshot to evaluate$"),
 ])
