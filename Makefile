@@ -40,11 +40,12 @@ envs:
 	@$(ENV) paddleformers >/dev/null && $(ENV) paddlenlp >/dev/null && $(ENV) hf >/dev/null && $(ENV) docs >/dev/null && \
 	$(ENV) vllm >/dev/null
 
-# a recipe with an evaluation hook (evaluate_each_snapshot, evaluate.* overrides) gets the hf environment's
-# python as $$PFC_HF_PYTHON (the bundled perplexity evaluator needs torch + transformers); the default demo does not
+# a recipe with an evaluation hook (evaluate_each_snapshot, lm_eval_each_snapshot, evaluate.* overrides) gets the hf
+# environment's python as $$PFC_HF_PYTHON (the bundled evaluators need torch + transformers, lm-eval); the default
+# demo does not
 demo:
 	@PY=$$($(ENV) paddleformers); \
-	case " $(ARGS) " in *evaluate*) export PFC_HF_PYTHON=$${PFC_HF_PYTHON:-$$($(ENV) hf)};; esac; \
+	case " $(ARGS) " in *evaluate*|*lm_eval*) export PFC_HF_PYTHON=$${PFC_HF_PYTHON:-$$($(ENV) hf)};; esac; \
 	$$PY -m paddle_fullparam_callbacks demo --output-dir demo_output $(ARGS)
 
 test: check-requirements docs test-paddleformers test-paddlenlp
