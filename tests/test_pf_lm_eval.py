@@ -15,21 +15,16 @@ import pytest
 
 from paddle_fullparam_callbacks import FullParamExportCallback, attach
 from paddle_fullparam_callbacks.cli.demo import demo_tokenizer, make_tiny_llama, make_trainer, trainer_args
-from paddle_fullparam_callbacks.config import load_config
 from paddle_fullparam_callbacks.config.schema import ConfigError
 from paddle_fullparam_callbacks.consumers.evaluate.lmeval.spec import RESULTS, bundled_tasks
-from paddle_fullparam_callbacks.export import ExportSession
 from paddle_fullparam_callbacks.export.commit import evaluation as records
-from paddle_fullparam_callbacks.models.model_info import build_model_source
 
 from _engine import Proxy
 from _evaluators import wait_until
 from _helpers import AtStep, listing, run_cli
-from _vllm import VLLMServer
+from _vllm import MODEL, VLLMServer, base_snapshot
 
 pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
-# head_dim 32 (vLLM's CPU attention takes 32 and up), the demo tokenizer's 512 ids (vLLM's detokenizer fails past them)
-MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 KEY, KEY_ENV = "pfc-lmeval-key", "PFC_TEST_LMEVAL_KEY"
 TASKS = "evaluate.lm_eval.tasks=[pfc_choice,pfc_generate]"
 METRIC = "evaluate.lm_eval.pfc_choice.acc_norm"
@@ -43,12 +38,7 @@ def name(step: int) -> str:
 def server(tmp_path_factory):
     """One vLLM server on the base snapshot (seed 0), with an API key (the evaluator sends it)."""
     tmp = tmp_path_factory.mktemp("engine")
-    cfg = load_config(None, [f"output_dir={tmp / 'base'}"])
-    session = ExportSession(cfg, tmp / "base")
-    session.start()
-    base = session.export(build_model_source(make_tiny_llama(seed=0, **MODEL), cfg, demo_tokenizer()), 0).path
-    session.close()
-    s = VLLMServer(base, tmp / "vllm.log", api_key=KEY)
+    s = VLLMServer(base_snapshot(tmp / "base"), tmp / "vllm.log", api_key=KEY)
     try:
         yield s.wait_ready()
     finally:
