@@ -26,9 +26,10 @@ from typing import Optional
 from .spec import OFFLINE, RESULTS, metric_scores
 
 
-def evaluate(snapshot: Path, spec: dict) -> dict:
+def evaluate(snapshot: Path, spec: dict, scratch: Optional[Path] = None) -> dict:
     """The result object for ``snapshot`` (see the module); raises nothing the harness raises: a failure is
-    ``{"error": ...}``."""
+    ``{"error": ...}``. ``scratch``: where the raw results are written before they are renamed beside the record
+    (the hook's work folder, removed once recorded; default: the snapshot)."""
     os.environ.update(OFFLINE)  # before datasets, transformers and the harness are imported
     t0 = time.perf_counter()
     snapshot = Path(snapshot).resolve()
@@ -69,7 +70,7 @@ def evaluate(snapshot: Path, spec: dict) -> dict:
     if not scores:
         return {**base, "error": f"lm-eval gave no metric for {', '.join(spec['tasks'])}: results "
                                  f"{json.dumps(out.get('results'), default=str)[:300]}"}
-    _write_results(snapshot / RESULTS, out)
+    _write_results(snapshot / RESULTS, out, scratch or snapshot)
     return {**scores, "seconds": round(time.perf_counter() - t0, 3), **base, "results_file": RESULTS,
             "lm_eval_version": str(out.get("lm_eval_version") or "")}
 
@@ -92,9 +93,11 @@ def _simple_evaluate(snapshot: Path, spec: dict, engine) -> dict:
                            device="cpu", log_samples=bool(spec["log_samples"]))
 
 
-def _write_results(path: Path, out: dict) -> None:
+def _write_results(path: Path, out: dict, scratch: Path) -> None:
     """The harness's results object, as its own CLI writes it (what JSON cannot hold, as text), atomically."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if scratch.stat().st_dev != path.parent.stat().st_dev:  # a rename cannot cross filesystems
+        scratch = path.parent
+    tmp = scratch / f".{path.name}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(out, f, indent=1, default=str, ensure_ascii=False)
         f.flush()
@@ -110,7 +113,7 @@ def _remove(path: Path) -> None:
 
 
 def main(snapshot: str, output: Optional[str], spec_text: str) -> int:
-    result = evaluate(Path(snapshot), json.loads(spec_text))
+    result = evaluate(Path(snapshot), json.loads(spec_text), Path(output).resolve().parent if output else None)
     text = json.dumps(result)
     if output:
         Path(output).write_text(text + "\n")
