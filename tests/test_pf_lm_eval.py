@@ -3,8 +3,8 @@ environment) and one real vLLM server (its CPU build, started once for the modul
 scored on the bundled task pair (multiple choice and generation) on the engine that serves them while training goes
 on, then on transformers by ``paddle-fullparam evaluate``, with the same metrics, log-likelihoods and generations;
 ``best`` following an lm-eval metric; an engine that moved to a newer snapshot during a run (discarded, never the
-snapshot's score); an engine that went down mid-evaluation; and the start refused before step 1 for a missing task
-and a missing data file."""
+snapshot's score); an engine that went down mid-evaluation; the start refused before step 1 for a missing task
+and a missing data file; the harness's built-in tasks found only when asked for."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,9 @@ import pytest
 
 from paddle_fullparam_callbacks import FullParamExportCallback, attach
 from paddle_fullparam_callbacks.cli.demo import demo_tokenizer, make_tiny_llama, make_trainer, trainer_args
+from paddle_fullparam_callbacks.config.consumers import LmEvalConfig
 from paddle_fullparam_callbacks.config.schema import ConfigError
+from paddle_fullparam_callbacks.consumers.evaluate import check_lm_eval
 from paddle_fullparam_callbacks.consumers.evaluate.lmeval.spec import RESULTS, bundled_tasks
 from paddle_fullparam_callbacks.export.commit import evaluation as records
 
@@ -51,9 +53,11 @@ def key(monkeypatch):
 
 
 def train(tmp_path, hf_python, overrides, steps=4, at=None):
+    """The tiny model trained ``steps`` steps, a snapshot every 2, each scored on the bundled pair (at the training's
+    priority: the suite's other worker would leave a nice-10 evaluator little of the 2 cores)."""
     cb = FullParamExportCallback(None, overrides=[
         f"output_dir={tmp_path / 'snaps'}", "trigger.every_n_steps=2", f"evaluate.python={hf_python}", TASKS,
-        "evaluate.lm_eval.log_samples=true", "evaluate.timeout_s=600", *overrides])
+        "evaluate.lm_eval.log_samples=true", "evaluate.timeout_s=600", "evaluate.nice=0", *overrides])
     targs = trainer_args("paddleformers", str(tmp_path / "trainer"), steps, save_steps=1000)
     trainer = make_trainer("paddleformers", make_tiny_llama(seed=1, **MODEL), targs, [], tokenizer=demo_tokenizer())
     attach(trainer, cb)
@@ -108,7 +112,7 @@ def test_snapshots_scored_on_the_engine_that_serves_them_and_on_transformers_agr
     assert not any(e.status != "ok" for e in cb.evaluation.results) and cb.errors == []
 
     # the same snapshots on transformers (the default backend), afterwards, as a user would
-    out = run_cli("evaluate", str(snaps), "--all", f"evaluate.python={hf_python}", TASKS,
+    out = run_cli("evaluate", str(snaps), "--all", f"evaluate.python={hf_python}", TASKS, "evaluate.nice=0",
                   "evaluate.lm_eval.log_samples=true", f"retention.metric={METRIC}", "retention.mode=max")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "evaluating 2 of 2 snapshot(s) with: lm-eval (pfc_choice, pfc_generate; backend hf)" in out.stdout
@@ -177,3 +181,9 @@ def test_a_missing_task_or_data_file_stops_the_job_before_step_one(hf_python, tm
                                           r"which does not exist"):
         train(tmp_path / "b", hf_python, [f"evaluate.lm_eval.include_path={folder}"])
     assert not (tmp_path / "a" / "snaps").exists() and not (tmp_path / "b" / "snaps").exists()
+    # the harness's own tasks only when asked for (their index is ~14,000 files)
+    builtin = LmEvalConfig(tasks=["pfc_choice", "arc_easy"], builtin_tasks=True, backend="engine")
+    found = check_lm_eval(builtin, [hf_python])["tasks"]
+    assert Path(found["arc_easy"]).parts[-3:] == ("tasks", "arc", "arc_easy.yaml") and "lm_eval" in found["arc_easy"]
+    with pytest.raises(ConfigError, match=r"task 'arc_easy' is not in the task folder .*builtin_tasks=true$"):
+        check_lm_eval(LmEvalConfig(tasks=["arc_easy"], backend="engine"), [hf_python])
