@@ -18,7 +18,9 @@ repetition:
 - ``cli``: ``lm-eval run --model hf --model_args pretrained=SNAPSHOT,dtype=float32 --tasks pfc_choice,pfc_generate
   --include_path FOLDER --device cpu --batch_size 1 --output_path DIR``, offline, in the task folder.
 
-Both must give the same metrics (checked). Target: ours <= 0.6x the CLI's time (median of paired ratios).
+Both must give the same metrics (checked). Target: ours <= 0.6x the CLI's time (median of paired ratios). The
+CPU time of each run (user + system, from the kernel) is recorded beside the wall time: on a shared machine it
+moves least with others' load.
 
 **The training stall.** ``eval_stall.py``'s children (the 673 MB model, ``--exports`` exports, ``--steps`` steps
 of fixed CPU work between them, the hook drained after each step) with the lm-eval evaluator (``on``, at
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -69,13 +72,16 @@ def hf_python() -> str:
         ["bash", str(ROOT / "scripts" / "env.sh"), "hf"], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def _timed(argv, cwd=None, env=None) -> float:
+def _timed(argv, cwd=None, env=None) -> tuple:
+    """(wall seconds, CPU seconds: user + system of the process and what it waited for) of one run."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, env=env, timeout=3600)
     seconds = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise RuntimeError(f"{argv[:4]} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return seconds
+    return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def score_ours(hf: str, snapshot: str, work: Path) -> tuple:
@@ -85,9 +91,9 @@ def score_ours(hf: str, snapshot: str, work: Path) -> tuple:
     spec = json.dumps(build_spec(LmEvalConfig(tasks=TASKS), "bench"))
     output = work / "ours.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    seconds = _timed([hf, "-m", MODULE, "run", snapshot, "--output", str(output), "--spec", spec], env=env)
+    timing = _timed([hf, "-m", MODULE, "run", snapshot, "--output", str(output), "--spec", spec], env=env)
     result = json.loads(output.read_text())
-    return seconds, {k: v for k, v in result.items() if k.startswith("lm_eval.")}
+    return timing, {k: v for k, v in result.items() if k.startswith("lm_eval.")}
 
 
 def score_cli(hf: str, snapshot: str, work: Path) -> tuple:
@@ -100,33 +106,36 @@ def score_cli(hf: str, snapshot: str, work: Path) -> tuple:
             ",".join(TASKS), "--include_path", str(bundled_tasks()), "--device", "cpu", "--batch_size", "1",
             "--output_path", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    seconds = _timed(argv, cwd=str(bundled_tasks()), env={**env, **OFFLINE})
+    timing = _timed(argv, cwd=str(bundled_tasks()), env={**env, **OFFLINE})
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
-    return seconds, metric_scores(results)
+    return timing, metric_scores(results)
 
 
 def scoring(hf: str, sizes, reps: int, tmp: Path) -> dict:
     out = {}
     for size in sizes:
         snap = C.run_child([__file__, "--make-snapshot", size, "--out", str(tmp / size)], timeout=1800)
-        runs = {"ours": [], "cli": []}
-        equal = True
+        runs, cpu = {"ours": [], "cli": []}, {"ours": [], "cli": []}
+        equal, quiet = True, []
         for rep in range(reps):
             order = ("ours", "cli") if rep % 2 == 0 else ("cli", "ours")
             scores = {}
             for variant in order:
-                C.wait_quiet(max_wait=30)
+                quiet.append(C.wait_quiet(max_wait=30))
                 fn = score_ours if variant == "ours" else score_cli
-                seconds, scores[variant] = fn(hf, snap["path"], tmp)
-                runs[variant].append(seconds)
+                (seconds, cpu_s), scores[variant] = fn(hf, snap["path"], tmp)
+                runs[variant].append(round(seconds, 3))
+                cpu[variant].append(round(cpu_s, 3))
             equal = equal and scores["ours"] == scores["cli"]
-            print(f"{size} rep {rep}: ours {runs['ours'][-1]:.1f} s, cli {runs['cli'][-1]:.1f} s, same metrics: "
+            print(f"{size} rep {rep}: ours {runs['ours'][-1]:.1f} s ({cpu['ours'][-1]:.1f} CPU-s), cli "
+                  f"{runs['cli'][-1]:.1f} s ({cpu['cli'][-1]:.1f} CPU-s), load {os.getloadavg()[0]:.1f}, same metrics: "
                   f"{scores['ours'] == scores['cli']}", flush=True)
-        ratios = [o / c for o, c in zip(runs["ours"], runs["cli"])]
-        out[size] = {"snapshot_bytes": snap["bytes"], "seconds": runs,
+        out[size] = {"snapshot_bytes": snap["bytes"], "seconds": runs, "cpu_seconds": cpu,
                      "seconds_median": {k: round(C.median(v), 3) for k, v in runs.items()},
-                     "ratio_ours_vs_cli_median": round(C.median(ratios), 4), "same_metrics": equal,
-                     "metrics": scores["ours"]}
+                     "cpu_seconds_median": {k: round(C.median(v), 3) for k, v in cpu.items()},
+                     "ratio_ours_vs_cli_median": round(C.median([o / c for o, c in zip(runs["ours"], runs["cli"])]), 4),
+                     "cpu_ratio_ours_vs_cli_median": round(C.median([o / c for o, c in zip(cpu["ours"], cpu["cli"])]), 4),
+                     "same_metrics": equal, "metrics": scores["ours"], "quiet_before_runs": quiet}
     return out
 
 
@@ -196,7 +205,8 @@ def main():
     C.write_result(RESULT_PATH, result)
     for size, s in scores.items():
         print(f"{size}: ours {s['seconds_median']['ours']:.1f} s, cli {s['seconds_median']['cli']:.1f} s, "
-              f"ratio {s['ratio_ours_vs_cli_median']:.2f} (same metrics: {s['same_metrics']})")
+              f"ratio {s['ratio_ours_vs_cli_median']:.2f} (CPU time {s['cpu_ratio_ours_vs_cli_median']:.2f}; same "
+              f"metrics: {s['same_metrics']})")
     print(f"stall per export: off {stalls['stall_seconds_median']['off']:.3f} s, on {stalls['stall_seconds_median']['on']:.3f} s "
           f"(x{stalls['stall_ratio_on_vs_off']:.3f}); training x{stalls['training_slowdown_on_vs_off']:.3f}; "
           f"evaluations ok: {stalls['evaluations_ok']}")
