@@ -77,6 +77,7 @@ BENCHES = {
               ("sizes", "tiny", "swap", "bare_reload_s_median"): None, ("sizes", "tiny", "swap", "restart_s_median"): None,
               ("sizes", "tiny", "stall", "stall_ratio_on_vs_off"): None, ("sizes", "tiny", "stall", "swaps_ok"): True},
     "lm_eval": {("scoring", "tiny", "ratio_ours_vs_cli_median"): None, ("scoring", "tiny", "same_metrics"): True,
+                ("scoring", "tiny", "cpu_ratio_ours_vs_cli_median"): None,
                 ("stall", "stall_ratio_on_vs_off"): None, ("stall", "training_slowdown_on_vs_off"): None,
                 ("stall", "evaluations_ok"): True},
     "publish": {("throughput", "throughput_ratio_median"): None, ("throughput", "mb_per_s_median", "publisher"): None,
