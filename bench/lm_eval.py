@@ -172,6 +172,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--make-snapshot", choices=sorted(SIZES))
     ap.add_argument("--out")
+    ap.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=C.tiny(["tiny", "large"], ["tiny"]))
     ap.add_argument("--reps", type=int, default=C.tiny(5, 1))
     ap.add_argument("--stall-reps", type=int, default=C.tiny(3, 1))
     ap.add_argument("--exports", type=int, default=C.tiny(3, 2))
@@ -185,7 +186,7 @@ def main():
     try:
         t0 = time.time()
         load_before = os.getloadavg()
-        scores = scoring(hf, C.tiny(["tiny", "large"], ["tiny"]), ns.reps, tmp)
+        scores = scoring(hf, ns.sizes, ns.reps, tmp)
         stalls = stall(hf, ns.stall_reps, ns.exports, ns.steps, tmp)
         load_after = os.getloadavg()
     finally:
