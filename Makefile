@@ -40,11 +40,12 @@ envs:
 	@$(ENV) paddleformers >/dev/null && $(ENV) paddlenlp >/dev/null && $(ENV) hf >/dev/null && $(ENV) docs >/dev/null && \
 	$(ENV) vllm >/dev/null
 
-# a recipe with an evaluation hook (evaluate_each_snapshot, evaluate.* overrides) gets the hf environment's
-# python as $$PFC_HF_PYTHON (the bundled perplexity evaluator needs torch + transformers); the default demo does not
+# a recipe with an evaluation hook (evaluate_each_snapshot, lm_eval_each_snapshot, evaluate.* overrides) gets the hf
+# environment's python as $$PFC_HF_PYTHON (the bundled evaluators need torch + transformers, lm-eval); the default
+# demo does not
 demo:
 	@PY=$$($(ENV) paddleformers); \
-	case " $(ARGS) " in *evaluate*) export PFC_HF_PYTHON=$${PFC_HF_PYTHON:-$$($(ENV) hf)};; esac; \
+	case " $(ARGS) " in *evaluate*|*lm_eval*) export PFC_HF_PYTHON=$${PFC_HF_PYTHON:-$$($(ENV) hf)};; esac; \
 	$$PY -m paddle_fullparam_callbacks demo --output-dir demo_output $(ARGS)
 
 test: check-requirements docs test-paddleformers test-paddlenlp
@@ -76,7 +77,8 @@ test-paddlenlp:
 bench:
 	@PY=$$($(ENV) paddleformers); \
 	$$PY bench/export_single.py && $$PY bench/export_fp8.py && $$PY bench/thread_scaling.py && $$PY bench/copy_floor.py && $$PY bench/gil.py && $$PY bench/export_ranks.py && $$PY bench/convert.py && $$PY bench/assembler.py && \
-	$$PY bench/async_stall.py && $$PY bench/lora_merge.py && $$PY bench/eval_stall.py && $$PY bench/run_startup.py && $$PY bench/publish.py
+	$$PY bench/async_stall.py && $$PY bench/lora_merge.py && $$PY bench/eval_stall.py && $$PY bench/run_startup.py && $$PY bench/publish.py && \
+	PFC_HF_PYTHON=$$($(ENV) hf) $$PY bench/lm_eval.py && PFC_VLLM_PYTHON=$$($(ENV) vllm) $$PY bench/serve.py
 
 faults:
 	@PY=$$($(ENV) paddleformers); \

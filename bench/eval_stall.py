@@ -57,9 +57,12 @@ json.dump({"score": x % 1000 / 1000, "digest": h.hexdigest()[:16]}, open(output,
 '''
 
 
-def child(variant: str, out: Path, exports: int, steps: int, eval_cpu: float) -> dict:
+def child(variant: str, out: Path, exports: int, steps: int, eval_cpu: float, eval_python: str = "") -> dict:
+    """One run; ``eval_python``: the bundled lm-eval evaluator in that interpreter (``bench/lm_eval.py``) instead of
+    the CPU-work evaluator (the snapshots then carry the demo's tokenizer)."""
     C.quiet_logs()
 
+    from paddle_fullparam_callbacks.cli.demo import demo_tokenizer
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
     from paddle_fullparam_callbacks.consumers.evaluate import EvaluationHook
@@ -68,17 +71,19 @@ def child(variant: str, out: Path, exports: int, steps: int, eval_cpu: float) ->
     script = out.parent / "evaluator.py"
     script.write_text(EVALUATOR)
     nice = 0 if variant == "on_nice0" else 10
-    cfg = load_config(None, [f"output_dir={out}", "export.max_shard_size=5GB",
-                             f"evaluate.command={{python}} {script} {{snapshot}} {{output}} {eval_cpu}",
-                             f"evaluate.nice={nice}", f"evaluate.python={sys.executable}"])
+    python = eval_python or sys.executable
+    evaluator = (["evaluate.lm_eval.tasks=[pfc_choice,pfc_generate]"] if eval_python else
+                 [f"evaluate.command={{python}} {script} {{snapshot}} {{output}} {eval_cpu}"])
+    cfg = load_config(None, [f"output_dir={out}", "export.max_shard_size=5GB", *evaluator,
+                             f"evaluate.nice={nice}", f"evaluate.python={python}"])
     model = C.build_llama(seed=0)
     session = ExportSession(cfg, out)
     session.start()
-    source = build_model_source(model, cfg)
+    source = build_model_source(model, cfg, demo_tokenizer() if eval_python else None)
     session.prepare(source)
     hook, committed_s, statuses = None, [], []
     if variant != "off":
-        hook = EvaluationHook(cfg.evaluate, [sys.executable], run_id=session.run_id)
+        hook = EvaluationHook(cfg.evaluate, [python], run_id=session.run_id)
 
         def on_commit(job):  # what the callback's commit hook does, timed: the hook's part of the export
             t = time.perf_counter()
@@ -134,9 +139,10 @@ def main():
     ap.add_argument("--steps", type=int, default=C.tiny(25, 2), help="training steps between exports")
     ap.add_argument("--eval-cpu-seconds", type=float, default=C.tiny(4.0, 0.05),
                     help="CPU seconds each evaluation computes")
+    ap.add_argument("--eval-python", default="", help="a child: the bundled lm-eval evaluator in this interpreter")
     ns = ap.parse_args()
     if ns.variant:
-        print(json.dumps(child(ns.variant, Path(ns.out), ns.exports, ns.steps, ns.eval_cpu_seconds)))
+        print(json.dumps(child(ns.variant, Path(ns.out), ns.exports, ns.steps, ns.eval_cpu_seconds, ns.eval_python)))
         return
     runs = {v: [] for v in VARIANTS}
     quiet = []

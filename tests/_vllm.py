@@ -20,6 +20,24 @@ from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = float(os.environ.get("PFC_VLLM_READY_TIMEOUT_S", "900"))
+# head_dim 32 (vLLM's CPU attention takes 32 and up), the demo tokenizer's 512 ids (vLLM's detokenizer fails past them)
+MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+def base_snapshot(out: Path) -> Path:
+    """The snapshot a test's engine starts on: the tiny Llama of :data:`MODEL` (seed 0) with the demo's tokenizer,
+    committed into ``out``."""
+    from paddle_fullparam_callbacks.cli.demo import demo_tokenizer, make_tiny_llama
+    from paddle_fullparam_callbacks.config import load_config
+    from paddle_fullparam_callbacks.export import ExportSession
+    from paddle_fullparam_callbacks.models.model_info import build_model_source
+
+    cfg = load_config(None, [f"output_dir={out}"])
+    session = ExportSession(cfg, out)
+    session.start()
+    path = session.export(build_model_source(make_tiny_llama(seed=0, **MODEL), cfg, demo_tokenizer()), 0).path
+    session.close()
+    return path
 
 
 def vllm_python() -> str:

@@ -304,6 +304,38 @@ def check_evaluate_each_snapshot(run: DemoRun) -> None:
             "fullparam_eval.log", "fullparam_evaluation.json", "fullparam_manifest.json"]
 
 
+def check_lm_eval_each_snapshot(run: DemoRun) -> None:
+    # "each snapshot scored by lm-evaluation-harness on the bundled local task pair (transformers, HF env) while
+    # training goes on; best follows pfc_choice's acc_norm": every 10 steps of 20, the real harness, offline
+    cfg = load_config("lm_eval_each_snapshot")
+    e, r = cfg.evaluate, cfg.retention
+    assert (e.command, e.callable, e.python) == (None, None, "$PFC_HF_PYTHON")
+    assert (e.lm_eval.tasks, e.lm_eval.backend, e.lm_eval.include_path) == (["pfc_choice", "pfc_generate"], "hf", None)
+    assert (r.metric, r.mode, r.keep_best, r.keep_last) == ("evaluate.lm_eval.pfc_choice.acc_norm", "max", 1, 1)
+    check_common(run, in_snapshots(run))
+    assert run.metric == "evaluate.lm_eval.pfc_choice.acc_norm"
+    assert [(x.step, x.reason) for x in run.rows] == [(s, "every_n_steps") for s in (10, 20)]
+    acc = {x.name: x.metric for x in run.rows}
+    assert all(v is not None and round(v * 24, 4) == round(v * 24) for v in acc.values()), acc  # 24 documents
+    for x in run.rows:
+        assert run.line(f"evaluation of {x.name}: ok, lm_eval.pfc_choice.acc ") is not None, run.stdout
+    best = (run.snaps / "best").read_text().strip()
+    assert acc[best] == max(acc.values()) and run.line("best -> ").startswith(
+        f"best -> {best} (evaluate.lm_eval.pfc_choice.acc_norm {acc[best]:.6f}: the highest of 2 snapshots, 2 evaluations)")
+    expect_kept = sorted({best, name(20)})
+    check_snapshot_dir(run, expect_kept, pointers=("best", "latest"))
+    for n in expect_kept:
+        snap = run.snaps / n
+        record = json.loads((snap / "fullparam_evaluation.json").read_text())
+        assert record["status"] == "ok" and record["scores"]["lm_eval.pfc_choice.acc_norm"] == pytest.approx(acc[n], abs=1e-6)
+        assert 0 <= record["scores"]["lm_eval.pfc_generate.exact_match,strict-match"] <= 1
+        raw = json.loads((snap / "fullparam_lm_eval.json").read_text())  # the harness's own results, beside the record
+        assert raw["results"]["pfc_choice"]["acc_norm,none"] == record["scores"]["lm_eval.pfc_choice.acc_norm"]
+        assert raw["n-samples"]["pfc_generate"]["effective"] == 16 and "samples" not in raw
+        assert sorted(p.name for p in snap.iterdir() if p.name.startswith(("fullparam_", ".fullparam"))) == [
+            "fullparam_eval.log", "fullparam_evaluation.json", "fullparam_lm_eval.json", "fullparam_manifest.json"]
+
+
 @dataclass
 class Expect:
     steps: int
@@ -318,6 +350,8 @@ EXPECT: Dict[str, Expect] = {
     "checkpoint_hook": Expect(20, check_checkpoint_hook),
     "async_every_n_steps": Expect(20, check_async_every_n_steps, ["trigger.every_n_steps=5"]),
     "evaluate_each_snapshot": Expect(30, check_evaluate_each_snapshot),
+    # evaluate.nice=0: beside the suite's other worker a nice-10 evaluator importing torch waits minutes for a core
+    "lm_eval_each_snapshot": Expect(20, check_lm_eval_each_snapshot, ["evaluate.nice=0"]),
 }
 
 BUNDLED = [n for n, _ in list_recipes()]

@@ -19,19 +19,14 @@ import pytest
 
 from paddle_fullparam_callbacks import FullParamExportCallback, attach
 from paddle_fullparam_callbacks.cli.demo import demo_tokenizer, make_tiny_llama, make_trainer, trainer_args
-from paddle_fullparam_callbacks.config import load_config
 from paddle_fullparam_callbacks.consumers.serve import records
-from paddle_fullparam_callbacks.export import ExportSession
-from paddle_fullparam_callbacks.models.model_info import build_model_source
 from paddle_fullparam_callbacks.trainer.serving import ServeStartFailed
 
 from _engine import Proxy, reload_of
 from _helpers import AtStep, listing, run_cli
-from _vllm import start_servers
+from _vllm import MODEL, base_snapshot, start_servers
 
 pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
-# head_dim 32 (vLLM's CPU attention takes 32 and up), the demo tokenizer's 512 ids (vLLM's detokenizer fails past them)
-MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 KEY, KEY_ENV = "pfc-test-key", "PFC_TEST_VLLM_KEY"
 IDS = [1, 37, 101, 7, 250, 19, 64, 300, 12, 5]
 
@@ -44,12 +39,7 @@ def name(step: int) -> str:
 def engines(tmp_path_factory):
     """Two vLLM replicas serving the base snapshot (seed 0), with an API key."""
     tmp = tmp_path_factory.mktemp("engines")
-    cfg = load_config(None, [f"output_dir={tmp / 'base'}"])
-    session = ExportSession(cfg, tmp / "base")
-    session.start()
-    base = session.export(build_model_source(make_tiny_llama(seed=0, **MODEL), cfg, demo_tokenizer()), 0).path
-    session.close()
-    servers = start_servers(base, tmp / "logs", 2, api_key=KEY)
+    servers = start_servers(base_snapshot(tmp / "base"), tmp / "logs", 2, api_key=KEY)
     yield servers
     for s in servers:
         s.kill()

@@ -89,7 +89,7 @@ def add_consumer_commands(sub, overrides_help: str) -> None:
     e.add_argument("path", metavar="SNAPSHOT|OUTPUT_DIR", help="a snapshot directory or an output directory")
     e.add_argument("--recipe", help="a bundled recipe name or YAML path with an evaluate section (e.g. "
                                     "evaluate_each_snapshot)")
-    e.add_argument("--failed", action="store_true", help="also run again the evaluations that failed or timed out")
+    e.add_argument("--failed", action="store_true", help="also run again the evaluations that failed, timed out or were discarded")
     e.add_argument("--all", action="store_true", help="evaluate every snapshot again")
     e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=overrides_help + "; e.g. evaluate.python=$PFC_HF_PYTHON")
     e.set_defaults(func=_cmd_evaluate)

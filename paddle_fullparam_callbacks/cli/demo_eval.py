@@ -48,7 +48,8 @@ def print_evaluations(cb, logged: list) -> bool:
         if ev.status == "ok":
             scores = ", ".join(f"{k} {v:g}" if k == "tokens" else f"{k} {v:.4f}" for k, v in ev.scores.items()
                                if k in ("perplexity", "nll", "tokens"))
-            scores = scores or ", ".join(f"{k} {v:.4g}" for k, v in list(ev.scores.items())[:4])
+            shown = [(k, v) for k, v in ev.scores.items() if "_stderr" not in k and k != "seconds"]  # lm-eval's
+            scores = scores or ", ".join(f"{k} {v:.4g}" for k, v in shown[:4])
             print(f"evaluation of {ev.name}: ok, {scores} ({record.get('seconds', 0):.1f} s; log {ev.name}/"
                   "fullparam_eval.log)")
         else:

@@ -3,13 +3,55 @@
 them against the rest of the recipe."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
 
 from .errors import ConfigError, check_number as _check_number
-from .evaluating import command_problem
+from .evaluating import command_problem, lm_eval_problem
 from .publishing import check_publish
 from .serving import check_serve
+
+
+@dataclass
+class LmEvalConfig:
+    """The bundled lm-evaluation-harness evaluator (issue 41): the harness's Python API on each snapshot, offline."""
+
+    tasks: List[str] = field(default_factory=list)
+    """The tasks (or groups, or tags) to run, e.g. [pfc_choice, pfc_generate]; empty: this evaluator is off. Their
+    metrics are the scores evaluate.lm_eval.<task>.<metric> (the filter kept where a task has several:
+    evaluate.lm_eval.gsm8k.exact_match,strict-match)."""
+    include_path: Optional[str] = None
+    """The folder of task files (YAML, and their local data: data_files named relatively are read from this folder);
+    null: the bundled pair pfc_choice (multiple_choice) and pfc_generate (generate_until)."""
+    builtin_tasks: bool = False
+    """Also index the harness's own ~14,000 task files (about 20 s per evaluation); their data must be in the
+    datasets cache, since the evaluator runs offline."""
+    num_fewshot: Optional[int] = None
+    """Few-shot examples per prompt; null: each task's own."""
+    limit: Optional[float] = None
+    """Documents per task: a count (>= 1) or a fraction (< 1); null: all."""
+    batch_size: int = 1
+    """Requests per forward pass (hf) or per HTTP request (engine)."""
+    backend: str = "hf"
+    """hf: transformers on the snapshot's files, float32 on the CPU | engine: the serving engine that serves the
+    snapshot (serve.url), with token-id requests; a score counts only if the engine served that very snapshot from
+    the first request to the last."""
+    engine_url: Optional[str] = None
+    """backend=engine: which of serve.url to score on; null: the first."""
+    engine_wait_s: float = 300.0
+    """backend=engine: how long an evaluation waits for the engine to serve its snapshot (serving runs beside it)
+    before it gives up and records the result as discarded."""
+    log_samples: bool = False
+    """Keep every request and answer (lm-eval's samples) in the raw results file beside the record."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tasks)
+
+    def __post_init__(self):
+        problem = lm_eval_problem(self)
+        if problem:
+            raise ConfigError(*problem)
 
 
 @dataclass
@@ -41,10 +83,12 @@ class EvaluateConfig:
     stopped and recorded as unfinished (`paddle-fullparam evaluate` runs them later)."""
     nice: int = 10
     """CPU priority of the evaluator (os.nice increment, 0-19): it yields the CPU to training."""
+    lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)
+    """The bundled lm-evaluation-harness evaluator instead of a command: evaluate.lm_eval.tasks names the tasks."""
 
     @property
     def enabled(self) -> bool:
-        return bool(self.command or self.callable)
+        return bool(self.command or self.callable or self.lm_eval.enabled)
 
     def __post_init__(self):
         if self.command is not None and self.callable is not None:

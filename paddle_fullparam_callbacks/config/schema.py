@@ -15,6 +15,7 @@ from ..plan.naming import validate_template
 from ..plan.quantization import DEFAULT_BLOCK, METHODS as QUANTIZATION_METHODS, check_block
 from .consumers import EvaluateConfig, PublishConfig, ServeConfig
 from .errors import ConfigError, check_choice as _check_choice
+from .evaluating import lm_eval_against
 from .publishing import check_against
 from .serving import VERIFY_ALLOWANCE_S, swap_bound_s
 from .sizes import AUTO, parse_size, pending_budget
@@ -347,10 +348,14 @@ class FullParamConfig:
                                             "export.timeout_s or lower serve.reload_timeout_s")
 
     def _check_evaluate(self) -> None:
+        problem = lm_eval_against(self.evaluate, self.serve)
+        if problem:
+            raise ConfigError(*problem)
         metric = self.retention.metric
         if metric and str(metric).startswith(EVALUATE_METRIC_PREFIX) and not self.evaluate.enabled:
             raise ConfigError("retention.metric", f"{metric!r} follows a score of the evaluation hook, but neither "
-                                                  "evaluate.command nor evaluate.callable is set")
+                                                  "evaluate.command, evaluate.callable nor evaluate.lm_eval.tasks is set")
         if self.evaluate.enabled and self.export.format == "callable":
-            raise ConfigError("evaluate.command" if self.evaluate.command else "evaluate.callable",
+            raise ConfigError("evaluate.command" if self.evaluate.command else "evaluate.callable" if self.evaluate.callable
+                              else "evaluate.lm_eval.tasks",
                               "export.format=callable writes no snapshot to evaluate")

@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from ..config.schema import ConfigError, FullParamConfig
 from ..export.commit.retention import list_snapshots
-from ..consumers.evaluate import Evaluation, EvaluationHook, recover, resolve_python
+from ..consumers.evaluate import Evaluation, EvaluationHook, check_lm_eval, recover, resolve_python
 from .consumers import TrainerConsumer, log_row, snapshot_label
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
@@ -34,14 +34,17 @@ class TrainerEvaluations(TrainerConsumer):
         self.python: Optional[List[str]] = None
 
     def check(self, ctx) -> None:
-        """Every rank, before the session starts: the coordinator finds ``evaluate.python``; one exchange
-        shares a failure, so that every rank raises the same ConfigError."""
+        """Every rank, before the session starts: the coordinator finds ``evaluate.python`` (and proves
+        ``evaluate.lm_eval`` there: the harness, the tasks, their data files); one exchange shares a failure,
+        so that every rank raises the same ConfigError."""
         if not self.enabled:
             return
         failure = None
         if ctx.is_coordinator:
             try:
                 self.python = resolve_python(self.config.evaluate)
+                if self.config.evaluate.lm_eval.enabled:  # the harness, the tasks and their data, in that environment
+                    check_lm_eval(self.config.evaluate.lm_eval, self.python)
             except ConfigError as e:
                 failure = (e.key, str(e)[len(e.key) + 2:])
         failure = ctx.all_gather_object(failure, what="evaluate.python")[ctx.coordinator]
@@ -52,7 +55,8 @@ class TrainerEvaluations(TrainerConsumer):
         """Coordinator: the hook on the session's commits, and what earlier jobs' evaluations left settled."""
         if not self.enabled or not session.ctx.is_coordinator or self.python is None:
             return
-        hook = EvaluationHook(self.config.evaluate, self.python, run_id=session.run_id)
+        hook = EvaluationHook(self.config.evaluate, self.python, run_id=session.run_id,
+                              api_key_env=self.config.serve.api_key_env)
 
         def evaluation(job) -> None:
             path = Path(job.out_dir) / job.name
@@ -97,7 +101,7 @@ class TrainerEvaluations(TrainerConsumer):
         else:  # logged once, here; the record keeps the details
             logger.warning("evaluation of %s (step %d) %s: %s (log: %s); training continues, the snapshot stays",
                            ev.name, ev.step, ev.status, (ev.record or {}).get("error"), ev.path / "fullparam_eval.log")
-            entry = {PREFIX + "failed": 1.0}
+            entry = {PREFIX + ("discarded" if ev.status == "discarded" else "failed"): 1.0}
         entry[PREFIX + "snapshot_step"] = float(ev.step)
         log_row(entry, state, trainer)
 

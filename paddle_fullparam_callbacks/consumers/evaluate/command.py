@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import List, Mapping, Optional
 
 from ...config.schema import ConfigError, EvaluateConfig
+from .lmeval import spec as lmeval
 
 CALL_BOOTSTRAP = """\
 import importlib, json, sys
@@ -72,14 +73,18 @@ def _executable(word: str) -> Optional[str]:
     return shutil.which(word)
 
 
-def build_argv(cfg: EvaluateConfig, python: List[str], snapshot: Path, step: int, output: Path) -> List[str]:
-    """The evaluator's argv for one snapshot.
+def build_argv(cfg: EvaluateConfig, python: List[str], snapshot: Path, step: int, output: Path, name: str = "",
+               api_key_env: Optional[str] = None) -> List[str]:
+    """The evaluator's argv for one snapshot (``name``: the snapshot's, the weight version an engine serving it
+    reports; ``api_key_env``: ``serve.api_key_env``, for ``evaluate.lm_eval``'s engine backend).
 
     >>> build_argv(EvaluateConfig(command="{python} -m ev {snapshot} --step {step} -o {output}"),
     ...            ["/py", "-X", "utf8"], Path("/s/hf step"), 10, Path("/s/o.json"))
     ['/py', '-X', 'utf8', '-m', 'ev', '/s/hf step', '--step', '10', '-o', '/s/o.json']
     """
     values = {"snapshot": str(snapshot), "step": str(int(step)), "output": str(output)}
+    if cfg.lm_eval.enabled:
+        return lmeval.build_argv(cfg.lm_eval, python, snapshot, output, name or snapshot.name, api_key_env)
     if cfg.callable:
         return [*python, "-c", CALL_BOOTSTRAP, cfg.callable, values["snapshot"], values["step"], values["output"]]
     out: List[str] = []
@@ -95,3 +100,14 @@ def describe(argv: List[str]) -> str:
     """The argv as one line for the record and the log (the callable's bootstrap code elided)."""
     shown = ["<bootstrap>" if a == CALL_BOOTSTRAP else a for a in argv]
     return shlex.join(shown)
+
+
+def describe_evaluator(cfg: EvaluateConfig) -> str:
+    """What evaluates, in a few words (for the lines ``paddle-fullparam evaluate`` prints).
+
+    >>> describe_evaluator(EvaluateConfig(command="{python} -m ev {snapshot}"))
+    '{python} -m ev {snapshot}'
+    """
+    if cfg.lm_eval.enabled:
+        return f"lm-eval ({', '.join(cfg.lm_eval.tasks)}; backend {cfg.lm_eval.backend})"
+    return str(cfg.command or cfg.callable)

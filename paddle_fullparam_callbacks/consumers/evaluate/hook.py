@@ -57,9 +57,11 @@ class EvaluationHook(ConsumerHook):
     THREAD, FAULT, WHO = "pfc-evaluate-{}", "evaluate_running", "the evaluation hook"
     WORKDIR, LOG = records.WORKDIR, records.LOG
 
-    def __init__(self, cfg: EvaluateConfig, python: List[str], run_id: str = "evaluate"):
+    def __init__(self, cfg: EvaluateConfig, python: List[str], run_id: str = "evaluate",
+                 api_key_env: Optional[str] = None):
         super().__init__(cfg, run_id, workers=cfg.max_concurrent)
         self.python = list(python)
+        self.api_key_env = api_key_env  # serve.api_key_env: evaluate.lm_eval's engine backend sends the key
         self._commits = 0
         self._last: Optional[Evaluation] = None
         self._last_due = False
@@ -129,7 +131,7 @@ class EvaluationHook(ConsumerHook):
         work.mkdir()
         mark(work, self.run_id)
         output = work / OUTPUT
-        argv = build_argv(self.cfg, self.python, ev.path, ev.step, output)
+        argv = build_argv(self.cfg, self.python, ev.path, ev.step, output, ev.name, self.api_key_env)
         env = {"PFC_SNAPSHOT": str(ev.path), "PFC_STEP": str(ev.step), "PFC_OUTPUT": str(output)}
         self._launch(ev, work, argv, env, identity, head={"command": describe(argv)})
 

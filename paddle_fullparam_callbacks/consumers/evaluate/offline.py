@@ -2,7 +2,7 @@
 
 In an output directory it takes the directory's lock for its run (one writer at a time), settles
 what earlier jobs left (``recovery.py``), evaluates every snapshot that lacks a result (no record,
-or one left unfinished; ``--failed`` adds failed and timed-out ones, ``--all`` every snapshot),
+or one left unfinished; ``--failed`` adds failed, timed-out and discarded ones, ``--all`` every snapshot),
 ``evaluate.max_concurrent`` at a time, each bounded by ``evaluate.timeout_s``, writing the same
 records as during training, and points ``best`` by ``retention.metric``. When a live training job
 holds the lock, that job's hook owns the evaluations it runs: only snapshots without a record are
@@ -19,8 +19,9 @@ from ...export.commit import evaluation as records
 from ...export.commit.lock import OutputDirLocked, acquire_lock
 from ...export.commit.ownership import read_manifest
 from ...export.commit.retention import list_snapshots, newest_run, update_best
-from .command import resolve_python
+from .command import describe_evaluator, resolve_python
 from .hook import Evaluation, EvaluationHook
+from .lmeval.check import check_lm_eval
 from .recovery import recover
 
 WAIT_FOREVER_S = 10 ** 9  # each evaluation is bounded by evaluate.timeout_s anyway
@@ -46,9 +47,11 @@ def evaluate_path(path: "str | Path", config: FullParamConfig, redo: str = "miss
     """Evaluate the snapshots of ``path`` that need it (``redo``: missing | failed | all); returns
     every evaluation settled or run now. Raises ConfigError without an evaluator."""
     if not config.evaluate.enabled:
-        raise ConfigError("evaluate.command", "is not set (nor evaluate.callable): give the evaluator with --recipe "
-                                              "(e.g. evaluate_each_snapshot) or evaluate.command=...")
+        raise ConfigError("evaluate.command", "is not set (nor evaluate.callable, nor evaluate.lm_eval.tasks): give the "
+                                              "evaluator with --recipe (e.g. evaluate_each_snapshot) or evaluate.command=...")
     python = resolve_python(config.evaluate)
+    if config.evaluate.lm_eval.enabled:
+        check_lm_eval(config.evaluate.lm_eval, python)
     snaps, output_dir = targets(Path(path), config)
     lock = None
     if output_dir is not None:
@@ -72,8 +75,10 @@ def _evaluate(snaps, output_dir, config, python, redo, settle, say, lock) -> Lis
     for ev in alive:
         say(f"{ev.name}: being evaluated by another process (pid {(ev.running or {}).get('pid')}); skipped")
     redo_statuses = {"none": (), "missing": (records.UNFINISHED,),
-                     "failed": (records.UNFINISHED, records.FAILED, records.TIMEOUT), "all": records.STATUSES}[redo]
-    hook = EvaluationHook(config.evaluate, python, run_id="paddle-fullparam-evaluate")
+                     "failed": (records.UNFINISHED, records.FAILED, records.TIMEOUT, records.DISCARDED),
+                     "all": records.STATUSES}[redo]
+    hook = EvaluationHook(config.evaluate, python, run_id="paddle-fullparam-evaluate",
+                          api_key_env=config.serve.api_key_env)
     todo = 0
     for name, step, snap, in_dir in snaps:
         record = records.read_record(snap)
@@ -81,7 +86,7 @@ def _evaluate(snaps, output_dir, config, python, redo, settle, say, lock) -> Lis
             continue
         hook.submit(Evaluation(name, Path(snap).resolve(), step, in_output_dir=in_dir))
         todo += 1
-    say(f"evaluating {todo} of {len(snaps)} snapshot(s) with: {config.evaluate.command or config.evaluate.callable}")
+    say(f"evaluating {todo} of {len(snaps)} snapshot(s) with: {describe_evaluator(config.evaluate)}")
     hook.close(WAIT_FOREVER_S)
     done = hook.drain()
     if output_dir is not None and config.retention.metric:

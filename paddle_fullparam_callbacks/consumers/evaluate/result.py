@@ -4,7 +4,10 @@ The evaluator's result is a JSON object, read from ``{output}`` when the evaluat
 from its last line on stdout. Nested objects are flattened with ``/`` (lm-eval's
 ``{"results": {"hellaswag": {"acc": 0.3}}}`` gives the score ``results/hellaswag/acc``); finite
 numbers are its *scores*, logged as ``fullparam/eval/<key>`` and usable as
-``retention.metric: evaluate.<key>``. Everything read is untrusted: bounded in size, depth and
+``retention.metric: evaluate.<key>``. A result with ``"discarded": "<why>"`` is an evaluator saying
+its result is not the snapshot's (the bundled lm-eval evaluator's engine moved on): recorded as
+``discarded``, without scores. An evaluator that exits non-zero may leave ``{"error": "<why>"}`` in
+``{output}``: the record quotes it. Everything read is untrusted: bounded in size, depth and
 number of keys, and a result that cannot be read is a failure that says why.
 """
 from __future__ import annotations
@@ -14,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Optional, Tuple
 
-from ...export.commit.evaluation import FAILED, OK, TIMEOUT, UNFINISHED
+from ...export.commit.evaluation import DISCARDED, FAILED, OK, TIMEOUT, UNFINISHED
 
 MAX_RESULT_BYTES = 1_000_000
 MAX_DEPTH = 6
@@ -87,11 +90,16 @@ def final_record(running: dict, status: Optional[dict], output: Optional[Path], 
         record.update(status=TIMEOUT, error=f"stopped after evaluate.timeout_s={running.get('timeout_s')} s")
     elif code != 0:
         how = f"killed by signal {-code}" if isinstance(code, int) and code < 0 else f"exit status {code}"
+        said, _ = read_result(output, "")
+        if said is not None and isinstance(said.get("error"), str) and said["error"].strip():
+            how += f": {said['error'].strip()[:2000]}"
         record.update(status=FAILED, error=how)
     else:
         result, why = read_result(output, str(status.get("last_line") or ""))
         if result is None:
             record.update(status=FAILED, error=f"unreadable result: {why}")
+        elif isinstance(result.get("discarded"), str):
+            record.update(status=DISCARDED, error=f"discarded: {result['discarded'][:2000]}", result=result)
         else:
             scores = flatten(result)
             record.update(status=OK, scores=scores)

@@ -11,8 +11,9 @@ it found is kept in the snapshot's folder, never in the files ``verify`` checks 
       .fullparam-eval/               # while it runs: marked work folder ({output}, the runner's status)
 
 A record's ``status`` is ``running`` (with the runner's host and pid: how the next start tells a
-live evaluation from an orphan), or final: ``ok`` (with ``scores``), ``failed``, ``timeout`` or
-``unfinished`` (training ended or was killed first). Retention reads it here: a snapshot whose
+live evaluation from an orphan), or final: ``ok`` (with ``scores``), ``failed``, ``timeout``,
+``unfinished`` (training ended or was killed first) or ``discarded`` (the evaluator's result is not the snapshot's:
+it says why in ``error``, and no score is recorded). Retention reads it here: a snapshot whose
 evaluation is running is never removed, and ``retention.metric: evaluate.<key>`` ranks snapshots
 by the score ``<key>``.
 """
@@ -31,7 +32,8 @@ WORKDIR = ".fullparam-eval"
 RECORD_TMP = ".fullparam_evaluation.json.tmp-"
 RECORD_VERSION = 1
 RUNNING, OK, FAILED, TIMEOUT, UNFINISHED = "running", "ok", "failed", "timeout", "unfinished"
-STATUSES = (RUNNING, OK, FAILED, TIMEOUT, UNFINISHED)
+DISCARDED = "discarded"  # the evaluator found its result is not the snapshot's (an engine that moved on)
+STATUSES = (RUNNING, OK, FAILED, TIMEOUT, UNFINISHED, DISCARDED)
 METRIC_PREFIX = "evaluate."  # retention.metric: evaluate.<score>
 MAX_RECORD_BYTES = 2_000_000
 
