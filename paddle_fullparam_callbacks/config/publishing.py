@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional, Tuple
 
-from .rules import check_template, number_problem
+from .rules import check_template, flags_problem, number_problem
 from .sizes import parse_size
 
 Problem = Optional[Tuple[str, str]]
@@ -94,10 +94,7 @@ def _publish_problem(p) -> Problem:
         problem = number_problem(f"publish.{key}", getattr(p, key), low, integer, strict, high)
         if problem:
             return problem
-    for key in ("check_etag", "require_conditional_writes"):
-        if not isinstance(getattr(p, key), bool):
-            return f"publish.{key}", f"must be true or false; got {getattr(p, key)!r}"
-    return None
+    return flags_problem("publish", p, ("check_etag", "require_conditional_writes"))
 
 
 def check_against(cfg, error=None) -> Problem:

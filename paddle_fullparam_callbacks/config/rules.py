@@ -19,6 +19,15 @@ def number_problem(key: str, value: Any, low: float, integer: bool, strict: bool
     return key, f"must be {'a whole number' if integer else 'a number'} {bound}; got {value!r}"
 
 
+def flags_problem(section: str, obj: Any, names: tuple) -> Problem:
+    """The first of ``obj``'s attributes ``names`` that is not a boolean, as ``(section.name, message)``."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, bool):
+            return f"{section}.{name}", f"must be true or false; got {value!r}"
+    return None
+
+
 def check_template(key: str, text: Any, fields: tuple, example: str, what: str = "command") -> Problem:
     """A command line (or a ``what`` such as a path template) with ``{field}`` placeholders: it splits into
     words and names only ``fields``."""

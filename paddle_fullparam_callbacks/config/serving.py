@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any, List, Optional, Tuple
 
-from .rules import check_template, number_problem
+from .rules import check_template, flags_problem, number_problem
 
 Problem = Optional[Tuple[str, str]]
 ENGINES = ("vllm",)
@@ -85,10 +85,7 @@ def _serve_problem(s) -> Problem:
         problem = number_problem(f"serve.{name}", getattr(s, name), low, False, strict, None)
         if problem:
             return problem
-    for name in ("wait", "check_model"):
-        if not isinstance(getattr(s, name), bool):
-            return f"serve.{name}", f"must be true or false; got {getattr(s, name)!r}"
-    return None
+    return flags_problem("serve", s, ("wait", "check_model"))
 
 
 VERIFY_ALLOWANCE_S = 300.0
