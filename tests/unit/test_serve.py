@@ -65,6 +65,17 @@ def test_bad_serve_keys_are_refused_naming_the_key(overrides, message):
         load_config(None, overrides)
 
 
+def test_a_flag_that_is_not_a_boolean_is_named():
+    from types import SimpleNamespace
+
+    from paddle_fullparam_callbacks.config.rules import flags_problem
+
+    names = ("wait", "check_model")
+    assert flags_problem("serve", SimpleNamespace(wait=True, check_model=False), names) is None
+    assert flags_problem("serve", SimpleNamespace(wait=True, check_model="yes"), names) == (
+        "serve.check_model", "must be true or false; got 'yes'")
+
+
 def test_the_engines_urls_in_every_form_a_recipe_or_a_variable_gives():
     assert engine_urls("http://10.0.0.5:8000/ http://10.0.0.6:8000,https://h/v") == [
         "http://10.0.0.5:8000", "http://10.0.0.6:8000", "https://h/v"]
