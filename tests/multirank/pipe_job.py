@@ -263,12 +263,13 @@ def run_case(case: PipeCase, topology: str, out: Path, hcg, budget=None) -> dict
     rep["tied"] = bool(model.config.tie_word_embeddings)
     rep["embedding"], rep["padding_idx"] = embedding_layer(model)
     rep["hf_config"] = described_config(model)
+    on_device = [f"export.device_memory_budget={budget}"] if budget else []
     cb = FullParamExportCallback(None, overrides=[f"output_dir={out / 'snap' / case.id}", "trigger.every_n_steps=1",
-                                                  *EXPORT, *([f"export.device_memory_budget={budget}"] if budget else [])])
+                                                  *EXPORT, *on_device])
     callbacks = [cb]
-    if case.id in FP8_CASES:
+    if case.id in FP8_CASES:  # within the same device budget (the launch's device_peak covers both exports)
         callbacks.append(FullParamExportCallback(None, overrides=[f"output_dir={out / 'fp8' / case.id}",
-                                                                  "trigger.every_n_steps=1", *EXPORT, *FP8]))
+                                                                  "trigger.every_n_steps=1", *EXPORT, *FP8, *on_device]))
     handler = CallbackHandler(callbacks, model, None, None, None)
     args = types.SimpleNamespace(output_dir=str(out))
     state, control = TrainerState(), TrainerControl()
