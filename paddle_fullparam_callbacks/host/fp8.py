@@ -27,6 +27,7 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
+from ..plan.quantization import scale_shape
 from .casts import scratch
 
 E4M3_MAX = 448.0
@@ -92,15 +93,6 @@ def decode_e4m3(q: np.ndarray) -> np.ndarray:
     return e4m3_values().astype(np.float32)[q]
 
 
-def grid(shape: Sequence[int], block: Sequence[int]) -> Tuple[int, int]:
-    """Blocks along each dimension: ``[ceil(out / b0), ceil(in / b1)]``, the shape of ``weight_scale_inv``.
-
-    >>> grid((200, 300), (128, 128))
-    (2, 3)
-    """
-    return tuple(-(-int(n) // int(b)) for n, b in zip(shape, block))
-
-
 def scales_of(max_abs: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """(``scale``, ``weight_scale_inv``) of blocks with these float32 ``max_abs``, by the rule of the module."""
     m = np.asarray(max_abs, np.float32)
@@ -139,7 +131,7 @@ def quantize_rows(out: np.ndarray, w: np.ndarray, scale_row: np.ndarray) -> None
 
 
 def quantize(w: np.ndarray, block: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
-    """(e4m3 bytes ``[out, in]`` uint8, ``weight_scale_inv`` float32 ``grid(w.shape, block)``) of a 2-D float32
+    """(e4m3 bytes ``[out, in]`` uint8, ``weight_scale_inv`` float32 ``scale_shape(w.shape, block)``) of a 2-D float32
     ``w``, in one thread (the writer quantizes block rows on its workers: ``host/quantize.py``).
 
     >>> q, inv = quantize(np.array([[1.0, -2.0], [0.5, 0.0]], np.float32), (2, 2))
@@ -149,9 +141,9 @@ def quantize(w: np.ndarray, block: Sequence[int]) -> Tuple[np.ndarray, np.ndarra
     b0, b1 = (int(b) for b in block)
     w = np.asarray(w, np.float32)
     out = np.empty(w.shape, np.uint8)
-    nbr, _ = grid(w.shape, block)
+    nbr, _ = scale_shape(w.shape, block)
     max_abs = np.stack([column_blocks_max(rows_max_abs(w[g * b0:(g + 1) * b0]), b1) for g in range(nbr)]) \
-        if w.size else np.zeros(grid(w.shape, block), np.float32)
+        if w.size else np.zeros(scale_shape(w.shape, block), np.float32)
     scale, inv = scales_of(max_abs)
     for g in range(nbr):
         quantize_rows(out[g * b0:(g + 1) * b0], w[g * b0:(g + 1) * b0], np.repeat(scale[g], b1)[:w.shape[1]])
@@ -165,5 +157,4 @@ def dequantize(q: np.ndarray, scale_inv: np.ndarray, block: Sequence[int]) -> np
     return decode_e4m3(q) * inv
 
 
-__all__ = ["E4M3_MAX", "column_blocks_max", "decode_e4m3", "dequantize", "e4m3_values", "encode_e4m3", "grid",
-           "quantize", "quantize_rows", "rows_max_abs", "scales_of"]
+__all__ = ["E4M3_MAX", "column_blocks_max", "decode_e4m3", "dequantize", "e4m3_values", "encode_e4m3", "quantize", "quantize_rows", "rows_max_abs", "scales_of"]

@@ -25,7 +25,8 @@ import numpy as np
 
 from .casts import _BF16, cast_into, f32_to_bf16, scratch
 from .copy import copy_into
-from .fp8 import column_blocks_max, encode_e4m3, grid, quantize_rows, rows_max_abs, scales_of
+from ..plan.quantization import scale_shape
+from .fp8 import column_blocks_max, quantize_rows, rows_max_abs, scales_of
 from .lazy import CastArray, LazyArray, computed, rows_of
 from .pool import current
 
@@ -95,7 +96,7 @@ class Fp8Weight:
             rows, (b0, b1) = self.base.T, self.block[::-1]
         else:
             rows, (b0, b1) = self.base, self.block
-        out = np.empty(grid(rows.shape, (b0, b1)), np.float32)
+        out = np.empty(scale_shape(rows.shape, (b0, b1)), np.float32)
         dtype = self.base_dtype
 
         def task(g):
@@ -139,11 +140,11 @@ class Fp8Array(LazyArray):
         while r < self.r1:  # one block row at a time: one row of scales
             g = r // b0
             end = min(self.r1, (g + 1) * b0)
+            scale_row = np.repeat(q.scale[g], b1)[:cols]
             if q.rounding is None:
                 values = widened(computed(rows_of(q.src, r, end), ("fp8 source", 0)), q.dtype, "fp8 widened")
-                quantize_rows(out[r - self.r0:end - self.r0], values, np.repeat(q.scale[g], b1)[:cols])
+                quantize_rows(out[r - self.r0:end - self.r0], values, scale_row)
             else:  # a cast, rounded chunk by chunk from its source
-                scale_row = np.repeat(q.scale[g], b1)[:cols]
                 step = max(1, _CHUNK // max(1, cols))
                 for s in range(r, end, step):
                     e = min(end, s + step)
@@ -166,10 +167,7 @@ class Fp8Array(LazyArray):
             j = c0 // b1
             c1 = min(memory.shape[0], c0 + step, (j + 1) * b1)
             values = self._values(memory[c0:c1, self.r0:self.r1], q.nans[self.r0 // b0:(self.r1 - 1) // b0 + 1, j])
-            y = scratch(values.size * 4, "fp8 product").view(np.float32).reshape(values.shape)
-            with np.errstate(over="ignore", invalid="ignore"):
-                np.multiply(values, scales[j], out=y)
-            encode_e4m3(codes[c0:c1], y)
+            quantize_rows(codes[c0:c1], values, scales[j])
         copy_into(out, codes.T)
 
 

@@ -22,6 +22,7 @@ FP8 = "float8_e4m3fn"
 SCALE_DTYPE = "float32"
 METHODS = ("none", "fp8")
 DEFAULT_BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"
 MISREAD = ("transformers 5.x dequantizes such a weight wrongly: its Fp8Dequantize takes the block as rows // scale "
            "rows (a 200 x 300 weight in 128 x 128 blocks comes back with 100 x 100 blocks, and a 320-row one, 3 "
            "blocks, fails to load); the snapshot holds the layout's partial edge blocks, which llama.cpp's converter "
@@ -34,7 +35,7 @@ def scale_name(weight: str) -> str:
     >>> scale_name("model.layers.0.mlp.down_proj.weight")
     'model.layers.0.mlp.down_proj.weight_scale_inv'
     """
-    return weight + "_scale_inv"
+    return weight + SCALE_SUFFIX
 
 
 def scale_shape(shape: Sequence[int], block: Sequence[int]) -> Tuple[int, int]:
@@ -140,5 +141,5 @@ def plan_fp8(specs: Sequence[TensorSpec], selected: Iterable[str], not_convert: 
     return Fp8Plan(block, weights, tuple(sorted(set(not_convert))))
 
 
-__all__ = ["DEFAULT_BLOCK", "FP8", "Fp8Plan", "METHODS", "MISREAD", "QuantizedWeight", "check_block", "misread",
+__all__ = ["DEFAULT_BLOCK", "FP8", "Fp8Plan", "METHODS", "MISREAD", "QuantizedWeight", "SCALE_SUFFIX", "check_block", "misread",
            "plan_fp8", "scale_name", "scale_shape"]

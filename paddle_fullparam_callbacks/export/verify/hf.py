@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import List
 
 from ..write.header import SafetensorsFormatError, read_header
+from .quantized import SUFFIX, declares_fp8
 
 _FLOAT = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
@@ -56,11 +57,6 @@ def _file_dtypes(directory: Path) -> dict:
         for name, e in entries.items():
             out[name] = e.dtype
     return out
-
-
-def _fp8(config: dict) -> bool:
-    qc = config.get("quantization_config")
-    return isinstance(qc, dict) and qc.get("quant_method") == "fp8"
 
 
 def verify_with_transformers(directory: "str | Path") -> TransformersReport:
@@ -118,7 +114,7 @@ def verify_with_transformers(directory: "str | Path") -> TransformersReport:
             report.errors.append(str(e))
             dtypes = {}
         # an FP8 snapshot's scales are float32 by the layout, whatever the dtype of its other tensors
-        scales = {n for n in dtypes if n.endswith("_scale_inv")} if _fp8(config) else set()
+        scales = {n for n in dtypes if n.endswith(SUFFIX)} if declares_fp8(config) else set()
         report.wrong_dtype = sorted(f"{n}: {_FLOAT[t]}" for n, t in dtypes.items()
                                     if t in _FLOAT and _FLOAT[t] != declared and n not in scales)
     report.ok = not report.problems()

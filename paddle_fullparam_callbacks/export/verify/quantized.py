@@ -16,12 +16,17 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from ...plan.quantization import scale_name, scale_shape
+from ...plan.quantization import SCALE_SUFFIX as SUFFIX, scale_name, scale_shape
 from ..write.header import short
 from .paths import Unreadable, json_kind
 
-SUFFIX = "_scale_inv"
 FP8, SCALE = "F8_E4M3", "F32"
+
+
+def declares_fp8(config) -> bool:
+    """Whether config.json (a parsed object, or anything read in its place) says the snapshot is FP8."""
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(qc, dict) and qc.get("quant_method") == "fp8"
 
 
 def _block(qc, report) -> Optional[tuple]:
@@ -54,8 +59,7 @@ def check_fp8(snap, entries: Dict[str, object], report) -> None:
             report.fail(f"config.json: {e}")
         return
     qc = config.get("quantization_config") if isinstance(config, dict) else None
-    says_fp8 = isinstance(qc, dict) and qc.get("quant_method") == "fp8"
-    if not (fp8 or scales or says_fp8):
+    if not (fp8 or scales or declares_fp8(config)):
         return
     if not fp8:
         report.fail("config.json: quantization_config says fp8, but no tensor is F8_E4M3")
@@ -88,4 +92,4 @@ def check_fp8(snap, entries: Dict[str, object], report) -> None:
                 report.fail(f"config.json: modules_to_not_convert lists {wrong[:3]}, whose weights are F8_E4M3")
 
 
-__all__ = ["check_fp8"]
+__all__ = ["check_fp8", "declares_fp8"]
