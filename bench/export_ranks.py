@@ -162,6 +162,11 @@ FORMULA = ("T = t_plan + max(t_net, t_cpu, t_disk) + t_commit;  t_plan = tensors
 ASSEMBLY_CASE = "mp2xpp2"  # bench/assembler.py's 4-rank case (its tiny run has it too)
 
 
+def _sig(x: float) -> float:
+    """Four significant figures: a tiny run's rates are small, and fixed decimals would round them to 0."""
+    return float(f"{x:.4g}")
+
+
 def _measured_inputs(ranks_out: dict) -> dict:
     """Per-rank figures measured on this machine, from the JSONs of bench/assembler.py and bench/export_single.py
     (a missing file or figure stops the benchmark: the model never falls back to figures of its own)."""
@@ -174,10 +179,10 @@ def _measured_inputs(ranks_out: dict) -> dict:
         per_rank, seconds = need("assembler.json", *at, "per_rank"), need("assembler.json", *at, "median_seconds")
         # a rank's rate: what it received (the kernel's count, its sockets) over the slowest rank's time
         received = max(need("assembler.json", *at, "per_rank", r, "kernel_received") for r in per_rank)
-        inp["assembly_gb_s_per_rank"][name] = round(received / GB / seconds, 3)
+        inp["assembly_gb_s_per_rank"][name] = _sig(received / GB / seconds)
     pl = need("assembler.json", "planner")
-    inp["plan_s_per_1000_tensors"] = round(pl["plan_50k_seconds"] / pl["tensors"] * 1000, 4)
-    inp["replan_s_per_1000_tensors"] = round(pl["replan_50k_seconds"] / pl["tensors"] * 1000, 5)
+    inp["plan_s_per_1000_tensors"] = _sig(pl["plan_50k_seconds"] / pl["tensors"] * 1000)
+    inp["replan_s_per_1000_tensors"] = _sig(pl["replan_50k_seconds"] / pl["tensors"] * 1000)
     rate = lambda regime, variant: need("export_single.json", "regimes", regime, "throughput_gb_s", variant)  # noqa: E731
     inp["writer_gb_s_per_process_cpu_bound"] = rate("tmpfs", "ours")
     inp["raw_page_cache_gb_s_per_process"] = rate("tmpfs", "raw")
@@ -189,7 +194,10 @@ def _measured_inputs(ranks_out: dict) -> dict:
 
 
 def _predict(cfg: dict, rates: dict) -> dict:
-    """Seconds of each term and the total for one topology and one set of rates."""
+    """Seconds of each term and the total for one topology and one set of rates (each rate > 0, or one error)."""
+    zero = sorted(k for k, v in rates.items() if k != "commit" and not v > 0)
+    if zero:
+        raise SystemExit(f"bench/export_ranks.py: the scaling model's rates {zero} are not positive: {rates}")
     t = {"t_plan": cfg["tensors"] / 1000 * rates["plan_s_per_1000"]}
     if rates.get("link_inter"):
         t["t_net"] = max(cfg["inter_bytes"] / rates["link_inter"], cfg["intra_bytes"] / rates["link_intra"])

@@ -778,23 +778,44 @@ class LaunchResult:
         return "\n".join(parts)
 
 
+# Paddle 3.3.1's TCPStore on rank 0 sometimes aborts as it starts its libuv server, before any user code past
+# fleet.init runs (about 1 launch in 20 under load: "uv__finish_close: Assertion ... UV_HANDLE_CLOSING failed",
+# exit -6): the launch is retried once, in a fresh log folder. Every other failure is returned as it is.
+STORE_ABORT = "uv__finish_close"
+
+
+def store_aborted(result: "LaunchResult") -> bool:
+    """Whether a launch died of Paddle's TCPStore abort (launcher output or any rank log)."""
+    return STORE_ABORT in result.output or any(STORE_ABORT in text for text in result.logs.values())
+
+
 def run_launch(script, args=(), nproc=4, log_dir=None, timeout=300, python=None, env=None,
                devices=None) -> LaunchResult:
     """``python -m paddle.distributed.launch --nproc_per_node N --log_dir LOG script args`` in its own
     session; on timeout the whole process group (launcher and ranks) is killed (SIGTERM, then
-    SIGKILL). Per-rank output is read from ``LOG/workerlog.<rank>``.
+    SIGKILL). Per-rank output is read from ``LOG/workerlog.<rank>``. Retried once (in ``LOG-retry``) when
+    Paddle's TCPStore aborts at start (``store_aborted``).
 
     ``devices`` (device ids) adds ``--devices 0,1,...``: for an accelerator, rank i gets the i-th
     (``tests/_fake_device.py``'s ``launch`` passes it with the fake accelerator's environment: the
     launcher picks a custom device type whenever ``CUSTOM_DEVICE_ROOT`` loads one)."""
-    import signal
-    import subprocess
     import tempfile
 
     log_dir = str(log_dir or tempfile.mkdtemp(prefix="pfc_launch_"))
     device_args = ["--devices", ",".join(str(d) for d in devices)] if devices is not None else []
-    cmd = [python or sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
-           *device_args, "--log_dir", log_dir, str(script), *[str(a) for a in args]]
+    for attempt_dir in (log_dir, log_dir + "-retry"):
+        cmd = [python or sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
+               *device_args, "--log_dir", attempt_dir, str(script), *[str(a) for a in args]]
+        result = _launch_once(cmd, attempt_dir, timeout, env)
+        if not store_aborted(result):
+            break
+    return result
+
+
+def _launch_once(cmd: list, log_dir: str, timeout: float, env) -> LaunchResult:
+    import signal
+    import subprocess
+
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)

@@ -9,10 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import LaunchResult, _free_port
-
-# Paddle's TCPStore on rank 0 sometimes aborts before any user code runs (about 1 launch in 20)
-_STORE_ABORT = "uv__finish_close"
+from harness import LaunchResult, _free_port, store_aborted
 
 
 def _start(script, args, node: int, master: str, cwd: Path, log_dir: Path, nproc: int, env):
@@ -49,8 +46,7 @@ def run_two_nodes(script, args, workdirs, nproc: int = 2, timeout: float = 240, 
         t0 = time.perf_counter()
         procs = [_start(script, args, n, master, Path(workdirs[n]), logs[n], nproc, env) for n in (0, 1)]
         results = [_finish(p, logs[n], t0, timeout) for n, p in enumerate(procs)]
-        if attempt == 0 and any(_STORE_ABORT in r.output or any(_STORE_ABORT in t for t in r.logs.values())
-                                for r in results):
+        if attempt == 0 and any(store_aborted(r) for r in results):
             continue
         break
     node1 = results[1]
