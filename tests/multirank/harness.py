@@ -784,7 +784,7 @@ class LaunchResult:
 STORE_ABORT = "uv__finish_close"
 
 
-def store_aborted(result: "LaunchResult") -> bool:
+def store_aborted(result: LaunchResult) -> bool:
     """Whether a launch died of Paddle's TCPStore abort (launcher output or any rank log)."""
     return STORE_ABORT in result.output or any(STORE_ABORT in text for text in result.logs.values())
 
