@@ -16,7 +16,7 @@ from typing import Callable, List, Sequence, Tuple
 import numpy as np
 
 from .. import _dtypes
-from ..host.casts import to_paddle
+from ..host.casts import to_paddle  # noqa: F401  (re-exported: callers import it from here)
 from ..host.lazy import CastArray
 
 Region = Tuple[np.ndarray, str]  # (array, Paddle dtype name)

@@ -1,7 +1,6 @@
 """What the exporter needs from a live model: its sharded state dict, mapping, HF config."""
 from __future__ import annotations
 
-import json
 import logging
 import re
 from typing import Any, Optional, Tuple

@@ -25,7 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
-from .boxes import Holding, HoldingIndex, Need, elements
+from .boxes import Holding, HoldingIndex, Need
 from .export_plan import ExportPlan, TensorSpec, natural_key, pack, plan_from_groups, units
 from .topology import Mesh, TopologyPlan, WritePlan
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from .. import _dtypes
 from .boxes import Holding, HoldingIndex, Need
 from .export_plan import TensorSpec
-from .placement import plan_placement, positions
+from .placement import plan_placement
 from .routing import plan_routes
 from .topology import Mesh, TopologyPlan
 
