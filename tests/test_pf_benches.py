@@ -309,5 +309,22 @@ def test_the_scaling_model_reads_the_assemblers_json(tmp_path):
     model = json.loads((results / "export_ranks.json").read_text())["scaling_model"]
     asm = json.loads((RECORDED / "assembler.json").read_text())["assembly"]["cases"]["mp2xpp2"]["variants"]["routed"]
     rate = max(r["kernel_received"] for r in asm["per_rank"].values()) / 1e9 / asm["median_seconds"]
-    assert model["measured_inputs"]["assembly_gb_s_per_rank"]["routed"] == round(rate, 3)
+    assert model["measured_inputs"]["assembly_gb_s_per_rank"]["routed"] == pytest.approx(rate, rel=1e-3)
     assert model["bytes"]["ours_mp8xpp8"]["inter_bytes"] == 0.0  # routed: pipeline stages never cross nodes
+
+
+def test_a_tiny_runs_slow_assembly_rate_is_kept_not_rounded_to_zero(tmp_path):
+    """A tiny run moves a few kB in tenths of a second: its rate (~1e-5 GB/s) stays a rate, and the model runs on it
+    (it once rounded to 0.000 GB/s and the model divided by it)."""
+    results = tmp_path / "r"
+    results.mkdir()
+    for name in ("assembler.json", "export_single.json", "export_ranks.json"):
+        (results / name).write_bytes((RECORDED / name).read_bytes())
+    asm = json.loads((results / "assembler.json").read_text())
+    for variant in asm["assembly"]["cases"]["mp2xpp2"]["variants"].values():
+        variant["median_seconds"] *= 1e4
+    (results / "assembler.json").write_text(json.dumps(asm))
+    proc = _run_bench("export_ranks.py", results, "--model-only", "--result", str(results / "export_ranks.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = json.loads((results / "export_ranks.json").read_text())["scaling_model"]
+    assert 0 < model["measured_inputs"]["assembly_gb_s_per_rank"]["routed"] < 1e-3
