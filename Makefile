@@ -9,9 +9,11 @@ ENV := scripts/env.sh
 BASE_PYTHON := $${PFC_BASE_PYTHON:-python3}
 PYTEST_ARGS ?= --durations=15
 # each pass runs on TEST_WORKERS pytest-xdist workers; a file (its tests and its module fixtures, e.g. one
-# launch checked by many tests) stays on one worker. TEST_WORKERS=0 runs a pass in one process.
+# launch checked by many tests) stays on one worker. TEST_WORKERS=0 runs a pass in one process. Files reach the
+# workers longest first (tests/_schedule.py); xdist's own reordering (by number of tests) is off, it put the long
+# files of few tests last.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 # what the PaddleFormers pass runs (tests/test_install.py builds and installs the wheel)
 TESTS ?= tests
 export PYTHONPATH := $(CURDIR)

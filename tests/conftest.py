@@ -28,6 +28,14 @@ if "PADDLE_FULLPARAM_CACHE_DIR" not in os.environ:
     os.environ["PADDLE_FULLPARAM_CACHE_DIR"] = tempfile.mkdtemp(prefix="pfc-test-cache-")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Long files first, for pytest-xdist's workers (``tests/_schedule.py``); the tests of a file keep their order."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _schedule import longest_first
+
+    items[:] = [items[i] for i in longest_first([item.nodeid for item in items])]
+
+
 # Every test's setup and call get a time limit (PFC_TEST_TIMEOUT_S, default 600 s; the slowest test
 # takes about 100 s here): a hang fails that test, with every thread's stack on stderr, and the suite
 # goes on, instead of eating CI's 90 minutes in silence. A watchdog thread signals the main thread
