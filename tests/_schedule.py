@@ -3,9 +3,10 @@
 ``--dist loadfile`` hands each worker whole files in collection order (two to start, then one each time a worker
 finishes one), unless xdist reorders them by their number of tests (its default, off in the Makefile): that put the
 long files of few tests (the crash loop, serving, lm-eval) last, and one worker ran them for minutes while the other
-sat idle (1.7 min of a 30.7 min pass). Longest first (the classic LPT rule) leaves only short files for the end. The weights are the seconds each file took in a clean-clone ``make test`` on this kind of
-machine (2026-12-05, ``--durations=0``, both passes); only the order depends on them, never a result, and a file
-not listed counts as short. Update them when a file's time changes by minutes.
+sat idle (1.7 min of a 30.7 min pass). Longest first (the classic LPT rule) leaves only short files for the end.
+The weights are the seconds each file took in a clean-clone ``make test`` on this kind of machine (2026-12-05,
+``--durations=0``, both passes); only the order depends on them, never a result, and a file not listed counts as
+short. Update them when a file's time changes by minutes.
 """
 from __future__ import annotations
 

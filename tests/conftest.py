@@ -30,8 +30,7 @@ if "PADDLE_FULLPARAM_CACHE_DIR" not in os.environ:
 
 def pytest_collection_modifyitems(session, config, items):
     """Long files first, for pytest-xdist's workers (``tests/_schedule.py``); the tests of a file keep their order."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _schedule import longest_first
+    from _schedule import longest_first  # tests/ is on sys.path: pytest put it there to import this conftest
 
     items[:] = [items[i] for i in longest_first([item.nodeid for item in items])]
 

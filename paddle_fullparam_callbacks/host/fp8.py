@@ -157,4 +157,5 @@ def dequantize(q: np.ndarray, scale_inv: np.ndarray, block: Sequence[int]) -> np
     return decode_e4m3(q) * inv
 
 
-__all__ = ["E4M3_MAX", "column_blocks_max", "decode_e4m3", "dequantize", "e4m3_values", "encode_e4m3", "quantize", "quantize_rows", "rows_max_abs", "scales_of"]
+__all__ = ["E4M3_MAX", "column_blocks_max", "decode_e4m3", "dequantize", "e4m3_values", "encode_e4m3", "quantize",
+           "quantize_rows", "rows_max_abs", "scales_of"]

@@ -141,5 +141,5 @@ def plan_fp8(specs: Sequence[TensorSpec], selected: Iterable[str], not_convert: 
     return Fp8Plan(block, weights, tuple(sorted(set(not_convert))))
 
 
-__all__ = ["DEFAULT_BLOCK", "FP8", "Fp8Plan", "METHODS", "MISREAD", "QuantizedWeight", "SCALE_SUFFIX", "check_block", "misread",
-           "plan_fp8", "scale_name", "scale_shape"]
+__all__ = ["DEFAULT_BLOCK", "FP8", "Fp8Plan", "METHODS", "MISREAD", "QuantizedWeight", "SCALE_SUFFIX", "check_block",
+           "misread", "plan_fp8", "scale_name", "scale_shape"]

@@ -45,7 +45,8 @@ def test_a_store_abort_is_retried_once_in_a_fresh_log_folder(tmp_path):
     assert (res.rc, calls) == (0, 2), res.describe()
     assert res.log_dir == str(tmp_path / "log") + "-retry"
     assert res.tagged("PROBE") == [(0, {"attempt": 2})]
-    assert harness.store_aborted(harness.LaunchResult(250, False, 0.0, "", "", {0: (tmp_path / "log" / "workerlog.0").read_text()}))
+    first = (tmp_path / "log" / "workerlog.0").read_text()
+    assert harness.store_aborted(harness.LaunchResult(250, False, 0.0, "", "", {0: first}))
 
 
 def test_a_second_store_abort_is_returned_not_retried_again(tmp_path):
