@@ -163,11 +163,13 @@ class Fp8Array(LazyArray):
         scales = np.ascontiguousarray(q.scale[np.arange(self.r0, self.r1) // b0].T)
         codes = scratch(memory.shape[0] * n, "fp8 codes").reshape(memory.shape[0], n)
         step = max(1, min(b1, _CHUNK // max(1, n)))
-        for c0 in range(0, memory.shape[0], step):
-            j = c0 // b1
+        c0 = 0
+        while c0 < memory.shape[0]:  # a chunk starts where the last ended: clipped at a block's end, the next
+            j = c0 // b1  # starts there (a step that does not divide b1 once left rows unencoded: issue 46)
             c1 = min(memory.shape[0], c0 + step, (j + 1) * b1)
             values = self._values(memory[c0:c1, self.r0:self.r1], q.nans[self.r0 // b0:(self.r1 - 1) // b0 + 1, j])
             quantize_rows(codes[c0:c1], values, scales[j])
+            c0 = c1
         copy_into(out, codes.T)
 
 
