@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import _dtypes
 from .copy import copy_into
+from .poison import fresh
 
 try:
     import ml_dtypes as _ml_dtypes
@@ -58,7 +59,7 @@ def scratch(nbytes: int, slot="cast") -> np.ndarray:
     buf = bufs.get(slot)
     if buf is None or buf.nbytes < nbytes:
         buf = bufs[slot] = np.empty(max(nbytes, 1 << 20), np.uint8)
-    return buf[:nbytes]
+    return fresh(buf[:nbytes])
 
 
 def memory_order(array: np.ndarray):

@@ -21,6 +21,8 @@ from typing import Iterator, Tuple
 
 import numpy as np
 
+from .poison import fresh
+
 STAGE_BYTES = 256 * 2**10  # source rows staged at a time: the stage and its transpose stay in L2
 _SMALL = 4096  # elements: below this numpy's own copy is as good
 _local = threading.local()
@@ -36,7 +38,7 @@ def _stage(rows: int, width: int, dtype) -> np.ndarray:
     buf = getattr(_local, "buf", None)
     if buf is None or buf.nbytes < need:
         buf = _local.buf = np.empty(max(need, STAGE_BYTES + 2**16), np.uint8)
-    return buf[:need].view(dtype).reshape(rows, pitch)[:, :width]
+    return fresh(buf[:need].view(dtype).reshape(rows, pitch)[:, :width])
 
 
 def transposed_view(src: np.ndarray) -> bool:

@@ -11,6 +11,7 @@ import numpy as np
 from ...assemble.device import host_array
 from ...host.casts import memory_order as _memory_order
 from ...host.lazy import LazyArray
+from ...host.poison import fresh
 
 
 def to_host_array(tensor):
@@ -118,7 +119,7 @@ class HostRing:
             token = [start, self._head, False, key]
             self._live.append(token)
         p = start % self.size
-        return self.buf[p:p + n], token
+        return fresh(self.buf[p:p + n]), token
 
     def free(self, token) -> None:
         with self._cv:

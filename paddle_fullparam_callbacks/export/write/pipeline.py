@@ -21,6 +21,7 @@ import numpy as np
 
 from ...host.copy import copy_into
 from ...host.lazy import LazyArray
+from ...host.poison import fresh
 from ...host.pool import WorkerPool, meanwhile
 from .stats import WriterStats
 from .syscalls import start_writeback
@@ -83,7 +84,7 @@ class BlockPool:
                 buf = np.empty(self.size, np.uint8)
                 self._made += 1
             self._out += 1
-        return buf, (lambda: self._give_back(buf, big))
+        return fresh(buf), (lambda: self._give_back(buf, big))
 
     def _give_back(self, buf, big: bool) -> None:
         with self._cv:

@@ -34,6 +34,7 @@ from typing import Optional
 import numpy as np
 
 from ...host import blas
+from ...host.poison import fresh
 
 _ROWS_ELEMENTS = 1 << 15  # elements per step: the step's float64 product and float32 temporaries stay in L2
 # rows per BLAS call: OpenBLAS 0.3's float64 product of k = 16 runs 2-3x slower from about 24 rows on (measured
@@ -59,6 +60,8 @@ def _scratch(elements: int) -> _Buffers:
     buf = getattr(_local, "buf", None)
     if buf is None or buf.v.size < elements:
         buf = _local.buf = _Buffers(max(elements, _ROWS_ELEMENTS))
+    for a in (buf.v, buf.high, buf.low, buf.same):
+        fresh(a)
     return buf
 
 
