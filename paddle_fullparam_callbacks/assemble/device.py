@@ -46,6 +46,7 @@ from typing import Callable, Dict, Optional
 import numpy as np
 
 from .. import _dtypes
+from ..host.poison import fresh
 
 CHUNK_BYTES = 16 * 2**20  # bytes per device-to-host copy: large enough to run at copy speed
 TIMED_BYTES = 8 * 2**20  # transposes timed (after the first weight) before a background export judges them
@@ -127,7 +128,7 @@ class DeviceBoundary:
 
     def _new(self, shape, storage) -> np.ndarray:
         out = self.host_alloc(tuple(shape), np.dtype(storage)) if self.host_alloc is not None else None
-        return np.empty(tuple(shape), dtype=storage) if out is None else out
+        return fresh(np.empty(tuple(shape), dtype=storage)) if out is None else out
 
     # ---- whole slices ---------------------------------------------------------------------
     def host_array(self, tensor, cast_to: Optional[str] = None,

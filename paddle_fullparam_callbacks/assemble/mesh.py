@@ -33,6 +33,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import _dtypes
+from ..host.poison import fresh
 from ..plan.topology import Mesh
 from .arrays import assemble_destination, cast_for_export, storage_view
 from .device import DeviceBoundary
@@ -314,7 +315,7 @@ class MeshAssembler:
         Returns the item's bytes where this rank keeps it (None elsewhere: only a chunk was held)."""
         src = item.src
         keep = item.id in self._users
-        dest = np.empty(item.nbytes, dtype=np.uint8) if keep else None
+        dest = fresh(np.empty(item.nbytes, dtype=np.uint8)) if keep else None
         mine = self._local_bytes(item) if self.rank == src else None
         scratch = None
         src_col = self.mesh.v_ranks(src)
@@ -323,7 +324,7 @@ class MeshAssembler:
             if dest is not None:
                 buf = dest[start:start + n]
             else:
-                scratch = scratch if scratch is not None else np.empty(min(BCAST_CHUNK_BYTES, item.nbytes), np.uint8)
+                scratch = scratch if scratch is not None else fresh(np.empty(min(BCAST_CHUNK_BYTES, item.nbytes), np.uint8))
                 buf = scratch[:n]
             if mine is not None:
                 buf[...] = mine[start:start + n]  # a copy: the collective never writes into the model's memory

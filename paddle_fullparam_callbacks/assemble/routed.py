@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import _dtypes
 from ..host.lazy import LazyArray
+from ..host.poison import fresh
 from ..plan.boxes import Holding, Need, intersect
 from ..plan.routing import Move, Packet, RoutePlan
 from .arrays import assemble_destination, cast_for_export, region_of, storage_view
@@ -166,7 +167,7 @@ class RoutedAssembler:
     def _recv(self, p: Packet) -> List[int]:
         """Returns the ids of the moves completed by this packet."""
         if p.chunk is None:
-            buf = np.empty(p.nbytes, np.uint8)
+            buf = fresh(np.empty(p.nbytes, np.uint8))
             self.groups.get(p.src).recv(buf, p.src)
             self._count(p, "received")
             off = 0
@@ -180,7 +181,7 @@ class RoutedAssembler:
         m = self.moves[i]
         flat = self._partial.get(i)
         if flat is None:
-            flat = self._partial[i] = np.empty(m.nbytes, np.uint8)
+            flat = self._partial[i] = fresh(np.empty(m.nbytes, np.uint8))
         self.groups.get(p.src).recv(flat[p.chunk[0]:p.chunk[1]], p.src)
         self._count(p, "received")
         if p.chunk[1] < m.nbytes:

@@ -47,9 +47,15 @@ def main():
     ap.add_argument("--param-dtype", default="float32", help="dtype of the model's parameters (bfloat16: bf16 training)")
     ap.add_argument("--device", default="cpu", help="where the parameters live (fakedev: the fake accelerator)")
     ap.add_argument("--budget", default=None, help="export.device_memory_budget")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="assemble.mesh.BCAST_CHUNK_BYTES (a routed move's packets, a broadcast's pieces), with "
+                         "topology.memory_growth_threshold=3KB (the seed schedule broadcasts the larger slices) and "
+                         "poisoned scratch: pieces that do not divide the slices, a byte no one wrote shows")
     ap.add_argument("--late", type=float, default=0.0,
                     help="seconds the last rank spends before the save event (a slow checkpoint save)")
     ns = ap.parse_args()
+
+    import contextlib
 
     import paddle.distributed as dist
     from paddleformers.trainer.trainer_callback import CallbackHandler, TrainerControl, TrainerState
@@ -67,7 +73,14 @@ def main():
     common = ["trigger.every_n_steps=2", "trigger.on_save=true", "trigger.on_train_end=true",
               "export.max_shard_size=3KB", f"export.dtype={ns.dtype}", "export.aoa=" + json.dumps(AOA),
               "retention.keep_last=0", "on_error=raise", f"topology.bucket_bytes={ns.bucket}",
-              *([f"export.device_memory_budget={ns.budget}"] if ns.budget else [])]
+              *([f"export.device_memory_budget={ns.budget}"] if ns.budget else []),
+              *(["topology.memory_growth_threshold=3KB"] if ns.chunk else [])]
+    poison = contextlib.nullcontext()
+    if ns.chunk:
+        from paddle_fullparam_callbacks.assemble import mesh
+        from paddle_fullparam_callbacks.host.poison import poisoned
+
+        mesh.BCAST_CHUNK_BYTES, poison = ns.chunk, poisoned(rank)
     callbacks = [FullParamExportCallback(None, overrides=[f"output_dir={ns.out}/builtin", *common])]
     if ns.paddle:
         callbacks.append(FullParamExportCallback(None, overrides=[f"output_dir={ns.out}/paddle", "assembler=paddle", *common]))
@@ -77,18 +90,19 @@ def main():
     handler = CallbackHandler(callbacks, model, None, None, None)
     args = types.SimpleNamespace(output_dir=ns.out)
     state, control = TrainerState(), TrainerControl()
-    handler.on_train_begin(args, state, control)
-    peaks = []  # the device's allocation peak of each event, above what it held before (None on CPU)
-    for step in range(1, 5):
-        harness.perturb(model, step)
-        harness.dump_shards(harness.sharded_state_dict(model), f"{ns.out}/dump/step-{step}")
-        state.global_step = step
-        peaks.append(harness.device_peak(lambda: handler.on_step_end(args, state, control))[1])
-        if step == 3:
-            if ns.late and rank == dist.get_world_size() - 1:
-                time.sleep(ns.late)  # the others wait in the export's decision exchange meanwhile
-            peaks.append(harness.device_peak(lambda: handler.on_save(args, state, control))[1])
-    peaks.append(harness.device_peak(lambda: handler.on_train_end(args, state, control))[1])
+    with poison:
+        handler.on_train_begin(args, state, control)
+        peaks = []  # the device's allocation peak of each event, above what it held before (None on CPU)
+        for step in range(1, 5):
+            harness.perturb(model, step)
+            harness.dump_shards(harness.sharded_state_dict(model), f"{ns.out}/dump/step-{step}")
+            state.global_step = step
+            peaks.append(harness.device_peak(lambda: handler.on_step_end(args, state, control))[1])
+            if step == 3:
+                if ns.late and rank == dist.get_world_size() - 1:
+                    time.sleep(ns.late)  # the others wait in the export's decision exchange meanwhile
+                peaks.append(harness.device_peak(lambda: handler.on_save(args, state, control))[1])
+        peaks.append(harness.device_peak(lambda: handler.on_train_end(args, state, control))[1])
     dist.barrier()
     cb = callbacks[0]
     print("EXPORT " + json.dumps({

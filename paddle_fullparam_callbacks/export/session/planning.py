@@ -15,7 +15,8 @@ from ... import _faults
 from ...assemble.device import on_device
 from ...assemble.local import castable_early
 from ...assemble.mapping import DestinationMap, MappingError, apply_export_dtype, build_destination_map, padding_destinations
-from ...assemble.mesh import BCAST_CHUNK_BYTES, records_from_state_dict, shard_info_from_records, validate_records
+from ...assemble import mesh
+from ...assemble.mesh import records_from_state_dict, shard_info_from_records, validate_records
 from ...assemble.routed import holdings_of, needs_of
 from ...config.schema import FullParamConfig
 from ...plan.export_plan import ExportPlan, build_export_plan
@@ -145,7 +146,7 @@ def plan_export(ctx, config: FullParamConfig, source: ModelSource, sd: Optional[
                 mesh_order = [n for n in order if plan.slots[n].file_index in mine]
                 routes = plan_routes(mesh_order, {n: writes.file_writer[plan.slots[n].file_index] for n in mesh_order},
                                      needs, holdings, dict(enumerate(ctx.nodes)),
-                                     config.topology.bucket_for(1), BCAST_CHUNK_BYTES)
+                                     config.topology.bucket_for(1), mesh.BCAST_CHUNK_BYTES)  # (read now: tests shrink it)
         else:
             plan = build_export_plan(specs, config.export.max_shard_bytes)
             order = plan.assembled()

@@ -84,7 +84,8 @@ class BlockPool:
                 buf = np.empty(self.size, np.uint8)
                 self._made += 1
             self._out += 1
-        return fresh(buf), (lambda: self._give_back(buf, big))
+        fresh(buf[:nbytes])  # (tests: the bytes this piece will use hold a pattern, not a previous piece's)
+        return buf, (lambda: self._give_back(buf, big))
 
     def _give_back(self, buf, big: bool) -> None:
         with self._cv:

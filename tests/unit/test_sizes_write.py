@@ -1,0 +1,109 @@
+"""The writer, the shard split and the hash on both sides of their sizes (issue 46), read back independently.
+
+``export/write/writer.py`` cuts a contiguous tensor into pieces of ``_PIECE_BYTES`` and a strided or lazy one into
+blocks of ``_BLOCK_BYTES`` (copied or computed into a pool of ``pool_blocks`` buffers, from ``_POOL_BLOCKS``,
+``_BLOCKS_PER_THREAD`` and ``_POOL_SHARE``), starts writeback every ``_WRITEBACK_EVERY`` bytes and holds at most
+``max_pending_bytes``; the plan cuts files at ``max_shard_size``; the checksum is computed on the way or by a
+read-back in chunks. Here every one of them is drawn from 1 to past the snapshot's size, with tensors of every
+layout (contiguous, transposed, strided, a lazy cast) put in any order, into poisoned buffers; the files are read
+back by the ``safetensors`` library and hashed by ``blake3``/``hashlib`` directly.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import sys
+import tempfile
+from pathlib import Path
+
+import blake3
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors.numpy import load_file
+
+from paddle_fullparam_callbacks.export.write import checksum, writer
+from paddle_fullparam_callbacks.export.write.writer import SnapshotWriter
+from paddle_fullparam_callbacks.host import copy
+from paddle_fullparam_callbacks.host.lazy import CastArray
+from paddle_fullparam_callbacks.host.poison import poisoned
+from paddle_fullparam_callbacks.plan.export_plan import TensorSpec, build_export_plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _sizes import SETTINGS, shrunk  # noqa: E402
+
+STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16, "int64": np.int64, "uint8": np.uint8}
+LAYOUTS = ("contiguous", "transposed", "strided", "lazy-cast")
+_MEMORY = "/dev/shm" if Path("/dev/shm").is_dir() else None  # fsyncs of a disk would set the pace
+
+
+@st.composite
+def tensors(draw, i):
+    dtype = draw(st.sampled_from(sorted(STORAGE)))
+    shape = tuple(draw(st.lists(st.integers(0 if draw(st.booleans()) else 1, 17), min_size=0, max_size=3)))
+    layout = draw(st.sampled_from(LAYOUTS if dtype == "bfloat16" else LAYOUTS[:3]))
+    return f"layers.{i}.{dtype}", dtype, shape, layout
+
+
+def _array(rng, dtype, shape, layout):
+    """(what is put, the values the file must hold, C order)."""
+    if layout == "lazy-cast":
+        src = rng.standard_normal(shape).astype(np.float32)
+        view = np.ascontiguousarray(src.T).T if src.ndim >= 2 else src
+        lazy = CastArray(view, "float32", "bfloat16", np.dtype(np.uint16))
+        return lazy, lazy.materialize()
+    if dtype in ("uint8", "int64", "bfloat16"):  # bfloat16: any 16-bit pattern, NaN payloads included
+        values = rng.integers(0, 2**16 if dtype == "bfloat16" else 255, shape).astype(STORAGE[dtype])
+    else:
+        values = rng.standard_normal(shape).astype(STORAGE[dtype])
+    if layout == "transposed" and values.ndim >= 2:
+        return np.ascontiguousarray(values.T).T, values
+    if layout == "strided" and values.ndim >= 1:
+        wide = np.zeros(values.shape[:-1] + (values.shape[-1] * 2,), values.dtype)
+        wide[..., ::2] = values
+        return wide[..., ::2], values
+    return values, values
+
+
+@st.composite
+def snapshots(draw):
+    specs = [draw(tensors(i)) for i in range(draw(st.integers(1, 7)))]
+    total = sum(int(np.prod(s)) * np.dtype(STORAGE[d]).itemsize for _, d, s, _ in specs) + 8
+    size = lambda: draw(st.sampled_from((1, 4 * total, draw(st.integers(1, total)))))  # noqa: E731
+    return dict(specs=specs, max_shard=size(), block=size(), piece=size(), writeback=size(), pending=size(),
+                pool_blocks=draw(st.integers(1, 4)), per_thread=draw(st.integers(0, 3)),
+                pool_share=draw(st.integers(1, 200)), stage=size(), background=draw(st.booleans()),
+                threads=draw(st.integers(1, 3)), order=draw(st.permutations(range(len(specs)))),
+                read_chunk=size(), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@SETTINGS
+@given(snapshots())
+def test_snapshots_at_any_size(case):
+    rng = np.random.default_rng(case["seed"])
+    arrays, want = {}, {}
+    for name, dtype, shape, layout in case["specs"]:
+        arrays[name], want[name] = _array(rng, dtype, shape, layout)
+    plan = build_export_plan([TensorSpec(n, s, d) for n, d, s, _ in case["specs"]], case["max_shard"])
+    names = [n for n, *_ in case["specs"]]
+    with tempfile.TemporaryDirectory(dir=_MEMORY) as folder, poisoned(case["seed"]), \
+            shrunk(writer, _BLOCK_BYTES=case["block"], _PIECE_BYTES=case["piece"], _WRITEBACK_EVERY=case["writeback"],
+                   _POOL_BLOCKS=case["pool_blocks"], _BLOCKS_PER_THREAD=case["per_thread"],
+                   _POOL_SHARE=case["pool_share"]), shrunk(copy, STAGE_BYTES=case["stage"], _SMALL=0):
+        w = SnapshotWriter(plan, folder, max_pending_bytes=case["pending"], background=case["background"],
+                           threads=case["threads"])
+        for i in case["order"]:
+            w.put(names[i], arrays[names[i]])
+        results = w.close()
+        loaded = {}
+        for f in plan.files:
+            data = (Path(folder) / f.name).read_bytes()
+            assert results[f.name].bytes == len(data) == f.total_bytes
+            assert results[f.name].digest == blake3.blake3(data).hexdigest()
+            got = checksum.digest_of_stream(io.BytesIO(data), "sha256", chunk=case["read_chunk"])
+            assert got == hashlib.sha256(data).hexdigest()
+            assert f.data_bytes <= case["max_shard"] or len(f.slots) == 1  # the split: one tensor may exceed it
+            loaded.update(load_file(str(Path(folder) / f.name)))
+    assert set(loaded) == set(want)
+    for name, values in want.items():
+        assert loaded[name].shape == values.shape and loaded[name].tobytes() == np.ascontiguousarray(values).tobytes(), name
