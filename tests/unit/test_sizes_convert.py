@@ -100,3 +100,29 @@ def test_preadv_batches_that_do_not_divide_the_rows():
                 lo=(0, 0), shape=(16, 6), dtype="float32", min_run=1, gated=1, transposed=False, block_bytes=2**30)
     for iov in (1, 2, 3, 5, 16, 17):
         test_regions_read_at_any_size.hypothesis.inner_test({**base, "iov": iov, "seed": iov})
+
+
+def test_the_tiling_check_on_both_sides_of_its_grid_limit():
+    """``_base._MAX_GRID_CELLS``: a tiling whose slices cut the tensor into more cells than that is refused by name,
+    one at the limit is checked (and a gap in it found)."""
+    from paddle_fullparam_callbacks.convert.checkpoints import CheckpointError, _base
+
+    full = np.zeros((6, 4), np.float32)
+    cuts = [(r, r + 2, c, c + 2) for r in (0, 2, 4) for c in (0, 2)]  # 3 x 2 = 6 cells
+    slices = [FileSlice(Path(f"{i}.bin"), (r0, c0), (r1 - r0, c1 - c0), "float32", 0, False)
+              for i, (r0, r1, c0, c1) in enumerate(cuts)]
+    with shrunk(_base, _MAX_GRID_CELLS=6):
+        check_tiling("w", TensorInfo(full.shape, "float32", slices))
+        try:
+            check_tiling("w", TensorInfo(full.shape, "float32", slices[:-1]))
+        except CheckpointError as e:
+            assert "no slice covers the block at [4, 2]" in str(e), e
+        else:
+            raise AssertionError("a missing slice passed the check")
+    with shrunk(_base, _MAX_GRID_CELLS=5):
+        try:
+            check_tiling("w", TensorInfo(full.shape, "float32", slices))
+        except CheckpointError as e:
+            assert "'w'" in str(e) and "too many to check" in str(e), e
+        else:
+            raise AssertionError("a grid past the limit was checked")

@@ -107,3 +107,21 @@ def test_snapshots_at_any_size(case):
     assert set(loaded) == set(want)
     for name, values in want.items():
         assert loaded[name].shape == values.shape and loaded[name].tobytes() == np.ascontiguousarray(values).tobytes(), name
+
+
+@SETTINGS
+@given(st.integers(0, 5000), st.integers(1, 6000), st.sampled_from(("blake3", "sha256")), st.integers(0, 2**32 - 1))
+def test_a_published_file_is_hashed_at_any_read_size(size, chunk, algorithm, seed):
+    """``consumers/publish/verify.CHUNK``: an object's body read back in chunks of any size hashes as the whole."""
+    from paddle_fullparam_callbacks.consumers.publish import verify
+
+    data = np.random.default_rng(seed).integers(0, 256, size).astype(np.uint8).tobytes()
+
+    class Store:
+        def call(self, op, key):
+            assert op == "get_object" and key == "run/model.safetensors"
+            return {"Body": io.BytesIO(data)}
+
+    want = blake3.blake3(data).hexdigest() if algorithm == "blake3" else hashlib.sha256(data).hexdigest()
+    with shrunk(verify, CHUNK=chunk):
+        assert verify._digest(Store(), "run/model.safetensors", algorithm) == want

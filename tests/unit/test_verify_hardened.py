@@ -302,6 +302,21 @@ def test_a_huge_manifest_is_not_read(snap, monkeypatch):
     assert verify_snapshot(snap).errors == [f"{MANIFEST}: is {size} bytes, over the limit of 100 for this file"]
 
 
+@pytest.mark.parametrize("extra", [0, 1], ids=["at-the-limit", "one-byte-over"])
+def test_a_pointer_is_read_up_to_its_limit(tmp_path, monkeypatch, extra):
+    """``tree.POINTER_LIMIT`` on both sides: a pointer of that many bytes is read (here it names no snapshot), one
+    byte more is refused unread."""
+    from paddle_fullparam_callbacks.export.verify import tree
+
+    monkeypatch.setattr(tree, "POINTER_LIMIT", 12)
+    (tmp_path / "latest").write_text("hf-step-0001" + "2" * extra)
+    errors = verify_path(tmp_path / "latest").errors
+    if extra:
+        assert errors == ["latest: is over 12 bytes"], errors
+    else:
+        assert errors and "names 'hf-step-0001', which does not exist" in errors[0], errors
+
+
 # ---- safetensors headers ---------------------------------------------------------------------------
 
 def _rewrite_header(path: Path, header, length=None):
