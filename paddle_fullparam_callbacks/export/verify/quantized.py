@@ -14,7 +14,7 @@ Every flaw goes to the report, nothing is raised.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ...plan.quantization import SCALE_SUFFIX as SUFFIX, scale_name, scale_shape
 from ..write.header import short
@@ -48,8 +48,10 @@ def _block(qc, report) -> Optional[tuple]:
     return tuple(block)
 
 
-def check_fp8(snap, entries: Dict[str, object], report) -> None:
-    """``entries``: every tensor's header entry (name -> ``HeaderEntry``) of the snapshot's files."""
+def check_fp8(snap, entries: Dict[str, object], report) -> Optional[Tuple[Tuple[int, int], List[str]]]:
+    """``entries``: every tensor's header entry (name -> ``HeaderEntry``) of the snapshot's files. Returns the block
+    and the FP8 weights whose layout is right (each with its F32 scale of the grid's shape), for the check of their
+    bytes (``fp8_blocks.py``); None where the snapshot has no FP8 layout or no valid block."""
     fp8 = {n: e for n, e in entries.items() if e.dtype == FP8}
     scales = {n: e for n, e in entries.items() if n.endswith(SUFFIX)}
     try:
@@ -57,13 +59,14 @@ def check_fp8(snap, entries: Dict[str, object], report) -> None:
     except Unreadable as e:
         if fp8 or scales:
             report.fail(f"config.json: {e}")
-        return
+        return None
     qc = config.get("quantization_config") if isinstance(config, dict) else None
     if not (fp8 or scales or declares_fp8(config)):
-        return
+        return None
     if not fp8:
         report.fail("config.json: quantization_config says fp8, but no tensor is F8_E4M3")
     block = _block(qc, report)
+    good: List[str] = []
     for name, e in sorted(fp8.items()):
         if len(e.shape) != 2:
             report.fail(f"{short(name)}: F8_E4M3 {list(e.shape)}: an FP8 weight is 2-D [out, in]")
@@ -77,6 +80,8 @@ def check_fp8(snap, entries: Dict[str, object], report) -> None:
         if block is not None and tuple(s.shape) != scale_shape(e.shape, block):
             report.fail(f"{short(scale_name(name))}: {list(s.shape)}, expected {list(scale_shape(e.shape, block))} for "
                         f"{list(e.shape)} in blocks of {list(block)}")
+        elif block is not None and s.dtype == SCALE:
+            good.append(name)
     for name in sorted(scales):
         owner = name[:-len(SUFFIX)]
         if owner not in fp8:
@@ -90,6 +95,7 @@ def check_fp8(snap, entries: Dict[str, object], report) -> None:
             wrong = sorted(m for m in skip if m + ".weight" in fp8)
             if wrong:
                 report.fail(f"config.json: modules_to_not_convert lists {wrong[:3]}, whose weights are F8_E4M3")
+    return (block, good) if block is not None else None
 
 
 __all__ = ["check_fp8", "declares_fp8"]

@@ -19,6 +19,7 @@ from ..commit import INDEX, MANIFEST
 from ..write.header import SafetensorsFormatError, parse_header, short
 from ..write import checksum
 from .paths import SnapshotDir, Unreadable, describe_path, json_kind, label, name_problem
+from .fp8_blocks import check_blocks
 from .quantized import check_fp8
 
 MAX_ERRORS = 100  # per report; a damaged index can name every tensor
@@ -94,11 +95,11 @@ def _check(snap: SnapshotDir, report: VerifyReport, check_hashes: bool, mapped: 
     shards = sorted(n for n in files if n.endswith(".safetensors"))
     single = INDEX not in files and len(shards) == 1  # transformers' layout: the header is the index
     index = None if single else _load_index(snap, files, shards, report)
-    headers = {}
+    headers, starts = {}, {}
     for name, expected in sorted(files.items()):
-        entries = _check_file(snap, name, expected, report, check_hashes, mapped)
-        if entries is not None:
-            headers[name] = entries
+        found = _check_file(snap, name, expected, report, check_hashes, mapped)
+        if found is not None:
+            headers[name], starts[name] = found
     for name in snap.names():
         if name.endswith(".safetensors") and name not in files:
             kind = snap.kind_problem(name)
@@ -108,7 +109,10 @@ def _check(snap: SnapshotDir, report: VerifyReport, check_hashes: bool, mapped: 
     if index is not None:
         total = _check_tensors(index[0], headers, files, report)
         _check_totals(manifest, index[1], total, report)
-    check_fp8(snap, {n: e for entries in headers.values() for n, e in entries.items()}, report)
+    fp8 = check_fp8(snap, {n: e for entries in headers.values() for n, e in entries.items()}, report)
+    if fp8 is not None and check_hashes:  # the bytes themselves, read as the checksums are
+        located = {n: (f, starts[f], e) for f, entries in headers.items() for n, e in entries.items()}
+        check_blocks(snap, located, fp8[1], fp8[0], report)
 
 
 def _load_object(snap: SnapshotDir, name: str, report: VerifyReport) -> Optional[dict]:
@@ -211,8 +215,9 @@ def _digest(f, algorithm: str, mapped: bool = False) -> str:
 
 
 def _check_file(snap, name: str, expected: Expected, report: VerifyReport, check_hashes: bool,
-                mapped: bool = False) -> Optional[dict]:
-    """Size and checksum of one listed file; for a shard, its header entries (None if unreadable)."""
+                mapped: bool = False) -> Optional[Tuple[dict, int]]:
+    """Size and checksum of one listed file; for a shard, its header entries and where its data starts (None if
+    unreadable)."""
     size_expected, digest = expected
     name_ = label(name)
     try:
@@ -231,7 +236,7 @@ def _check_file(snap, name: str, expected: Expected, report: VerifyReport, check
                 report.fail(f"{name_}: {digest[0]} differs from the manifest (the file was changed or damaged)")
             if not name.endswith(".safetensors"):
                 return None
-            metadata, entries, _ = parse_header(f, name_)
+            metadata, entries, data_start = parse_header(f, name_)
     except SafetensorsFormatError as e:
         report.fail(str(e))
         return None
@@ -240,7 +245,7 @@ def _check_file(snap, name: str, expected: Expected, report: VerifyReport, check
         return None
     if metadata is not None and not isinstance(metadata, dict):
         report.fail(f"{name_}: __metadata__ is {json_kind(metadata)}, not an object")
-    return entries
+    return entries, data_start
 
 
 def _check_tensors(weight_map: Dict[str, str], headers: dict, files: dict, report: VerifyReport) -> int:
