@@ -47,6 +47,7 @@ CROSSED = {
     "export/session/ring_size.py:AVAILABLE_SHARE": {U + "test_ring_size.py": "avail // 2"},
     "export/session/ring_size.py:UNKNOWN_CAP": {U + "test_ring_size.py": "UNKNOWN_CAP"},
     "export/verify/paths.py:MAX_JSON_BYTES": {U + "test_verify_hardened.py": "MAX_JSON_BYTES"},
+    "export/verify/fp8_blocks.py:MAX_BLOCKS_NAMED": {U + "test_fp8_verify_blocks.py": "MAX_BLOCKS_NAMED"},
     "export/verify/tree.py:POINTER_LIMIT": {U + "test_verify_hardened.py": "POINTER_LIMIT"},
     "convert/checkpoints/_base.py:_MAX_GRID_CELLS": {U + "test_sizes_convert.py": "_MAX_GRID_CELLS"},
     "convert/checkpoints/_reads.py:_MIN_RUN_BYTES": {U + "test_sizes_convert.py": "_MIN_RUN_BYTES"},
