@@ -57,10 +57,13 @@ def free_port() -> int:
 
 class VLLMServer:
     """``python -m vllm.entrypoints.openai.api_server --model DIR`` in dev mode, float32, on a free port; the
-    time from its start to its first answer on ``/health`` is ``started_s`` (what a restart costs)."""
+    time from its start to its first answer on ``/health`` is ``started_s`` (what a restart costs). ``lora_rank``:
+    LoRA enabled (``--enable-lora --max-lora-rank R --max-loras N``); ``runtime_lora``: its load and unload
+    endpoints on (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; by default with LoRA)."""
 
     def __init__(self, model_dir: Path, log: Path, api_key: Optional[str] = None, max_model_len: int = 128,
-                 tokenizer: bool = True):
+                 tokenizer: bool = True, lora_rank: Optional[int] = None, max_loras: int = 4,
+                 runtime_lora: Optional[bool] = None):
         self.model_dir, self.log, self.api_key = Path(model_dir), Path(log), api_key
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -73,6 +76,10 @@ class VLLMServer:
                 "--distributed-executor-backend", "uni"]
         if api_key:
             argv += ["--api-key", api_key]
+        if lora_rank:  # LoRA adapters loaded at run time, as docs/serving.md starts vLLM for serve.adapter
+            argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)]
+        if runtime_lora or (runtime_lora is None and lora_rank):
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if not tokenizer:  # a model whose vocabulary is larger than the tokenizer's (token ids in, token ids out)
             argv += ["--skip-tokenizer-init"]
         self.t0, self.started_s = time.perf_counter(), None
