@@ -168,9 +168,9 @@ class VLLMEngine(Engine):
     # adapter read per step while the name is served, is measured in bench/serve.py.
     def load_adapter(self, adapter: Adapter) -> Swap:
         """The adapter under each of its names (the stable one first, in place: requests naming it go on, the
-        next ones get the new weights; the base weights are never touched), then the older names unloaded. A load
-        of the stable name that fails leaves the engine serving what it held (vLLM reads the new adapter before it
-        replaces the old one)."""
+        next ones get the new weights; the base weights are never touched), then the older names unloaded. ``ok``
+        once the stable name serves it (what the other names did is in ``error``); a load of the stable name that
+        fails leaves the engine serving what it held (vLLM reads the new adapter before it replaces the old one)."""
         s = Swap(self.url)  # no pause: requests go on throughout
         for i, name in enumerate(adapter.names):
             try:
@@ -190,7 +190,7 @@ class VLLMEngine(Engine):
                 s.unloaded.append(name)
             except EngineError as e:
                 s.fail(f"the unload of {name!r} failed: {_words(e)}")
-        s.ok = s.error is None
+        s.ok = True  # the stable name serves it; a failure of the other names is in ``error``
         return s
 
     def try_adapter(self, path: str, name: str) -> Optional[Refusal]:
