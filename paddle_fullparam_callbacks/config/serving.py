@@ -128,3 +128,16 @@ def format_engine_path(template: str, snapshot: str, name: str, step: int) -> st
     '/models/hf-step-000008'
     """
     return template.format(snapshot=snapshot, name=name, step=step)
+
+
+ADAPTER_DIRECTORY = "adapter"
+"""Where a snapshot holds its PEFT adapter (``models/lora/adapter.DIRECTORY``; a test holds them equal)."""
+
+
+def format_adapter_path(template: str, snapshot: str, name: str, step: int) -> str:
+    """The snapshot's PEFT adapter directory as the engines see it (``serve.adapter``).
+
+    >>> format_adapter_path("/models/{name}", "/data/run/hf-step-000008", "hf-step-000008", 8)
+    '/models/hf-step-000008/adapter'
+    """
+    return f"{format_engine_path(template, snapshot, name, step).rstrip('/')}/{ADAPTER_DIRECTORY}"

@@ -15,10 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
+from ...config.serving import ADAPTER_DIRECTORY as DIRECTORY
 from .engines import Adapter
-
-DIRECTORY = "adapter"
-"""Where a snapshot holds its PEFT adapter (``models/lora/adapter.DIRECTORY``; a test holds them equal)."""
 
 
 def adapter_path(engine_snapshot_path: str) -> str:
