@@ -178,9 +178,9 @@ class TrainerServing(TrainerConsumer):
             return
         ok = [u for u, e in entries.items() if e["status"] == records.OK]
         if ok:
-            logger.info("served %s on %s", job.name, "; ".join(f"{u} (reload {entries[u].get('reload_s', 0):.2f} s, "
-                                                              f"served {entries[u].get('served_s', 0):.2f} s after "
-                                                              "the commit)" for u in ok))
+            logger.info("served %s on %s", job.name, "; ".join(f"{u} ({_how(entries[u])} "
+                                                              f"{entries[u].get('served_s', 0):.2f} s after the commit)"
+                                                              for u in ok))
         for url in ok:
             if url in self._failing:
                 self._failing.discard(url)
@@ -199,6 +199,13 @@ class TrainerServing(TrainerConsumer):
         if ok:
             row["fullparam/serve/served_s"] = max(entries[u].get("served_s", 0.0) for u in ok)
         log_row(row, state, trainer)
+
+
+def _how(entry: dict) -> str:
+    """What a served entry did: the reload of the weights, or the adapter's load under its names."""
+    if entry.get("mode") == "adapter":
+        return f"adapter as {', '.join(entry.get('loaded') or [])}, load {entry.get('load_s', 0):.3f} s, served"
+    return f"reload {entry.get('reload_s', 0):.2f} s, served"
 
 
 def describe(job: Serving) -> str:

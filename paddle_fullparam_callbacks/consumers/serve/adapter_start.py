@@ -117,7 +117,7 @@ def _takes(url: str, engine: Engine, path: str, run: RunAdapter, cfg: ServeConfi
         return [("serve.adapter", f"{url} has no LoRA enabled ({refusal.message}): {refusal.hint}")]
     if refusal.kind == RANK:
         return [("serve.adapter", f"{url} takes adapters of a lower rank than the run's r={run.rank} "
-                                  f"({refusal.message}): {refusal.hint}")]
+                                  f"({refusal.message}): {refusal.hint} ({run.rank})")]
     if refusal.kind == NOT_FOUND:
         return [("serve.path_template", f"{url} cannot read the adapter at {path} ({refusal.message}): "
                                         f"{refusal.hint}, {cfg.path_template!r} here; is output_dir where the "

@@ -207,7 +207,7 @@ class VLLMEngine(Engine):
             if "LoRA is not enabled" in words:
                 return Refusal(NO_LORA, words, self.ADAPTER_HINT)
             if "max_lora_rank" in words:
-                return Refusal(RANK, words, self.ADAPTER_HINT)
+                return Refusal(RANK, words, "start vLLM with --max-lora-rank at least the adapter's rank")
             return Refusal(UNSUPPORTED, words)
         self._unload(name)
         return None
