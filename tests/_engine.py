@@ -9,7 +9,9 @@ succeeds, and the first completion served on broken weights kills the engine (th
 Misbehaviour, on either: ``fail(match)`` answers matching requests with HTTP 500 (a fake engine's reload then
 breaks its weights, as vLLM's does); ``hang(match)`` holds them until :meth:`release` (``arrived`` is set when one
 arrives, so a test waits on an event, never a sleep); ``rewrite(match, fn)`` (proxy) changes a request's JSON body
-before it is forwarded (e.g. a reload pointed at a damaged copy: a real half-way failure).
+before it is forwarded (e.g. a reload pointed at a damaged copy: a real half-way failure); ``answer(match, status,
+obj)`` (proxy) answers in the engine's stead (e.g. the 404 vLLM gives for its adapter endpoints when runtime loading
+is off, seen here).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class _Rules:
         self.failing: List[Tuple[Callable, int]] = []
         self.hanging: List[Callable] = []
         self.rewrites: List[Tuple[Callable, Callable]] = []
+        self.answers: List[Tuple[Callable, int, object]] = []
         self.arrived = threading.Event()
         self._release = threading.Event()
 
@@ -45,6 +48,11 @@ class _Rules:
 
     def rewrite(self, match: Callable[[str, str, dict], bool], fn: Callable[[dict], dict]) -> None:
         self.rewrites.append((match, fn))
+
+    def answer(self, match: Callable[[str, str, dict], bool], status: int, obj) -> None:
+        """Answer matching requests with ``status`` and ``obj`` instead of the engine (e.g. vLLM's 404 for an
+        endpoint it has not got)."""
+        self.answers.append((match, status, obj))
 
     def release(self) -> None:
         self.hanging.clear()
@@ -97,6 +105,9 @@ class _Server:
 
     def rewrite(self, *a, **k):
         return self.rules.rewrite(*a, **k)
+
+    def answer(self, *a, **k):
+        return self.rules.answer(*a, **k)
 
     def release(self):
         self.rules.release()
@@ -297,6 +308,9 @@ class _ProxyHandler(_Handler):
         except ValueError:
             body = {}
         px.calls.append((method, self.path, body, time.time()))
+        for match, status, obj in px.rules.answers:
+            if match(method, self.path, body if isinstance(body, dict) else {}):
+                return self._send(status, obj)
         fail, new = px.rules.applies(method, self.path, body if isinstance(body, dict) else {})
         if fail:
             return self._send(500, {"error": {"message": f"injected failure of {self.path}"}})

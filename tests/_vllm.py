@@ -116,30 +116,48 @@ class VLLMServer:
             pass
         self.proc.wait()
 
-    def call(self, method: str, path: str, body=None, timeout: float = 120):
+    def call(self, method: str, path: str, body=None, timeout: float = 120, raw: bool = False):
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            answer = r.read()
+        return answer.decode() if raw else json.loads(answer)
 
     def version(self) -> str:
         return self.call("GET", "/weight_info")["weight_version"]
 
-    def prompt_logprobs(self, ids: List[int]) -> List[float]:
-        """log p(ids[i] | ids[:i]) for i >= 1, as the engine computes them (float32)."""
-        out = self.call("POST", "/v1/completions", {"model": str(self.model_dir), "prompt": ids, "max_tokens": 1,
-                                                    "temperature": 0, "prompt_logprobs": 0})
+    def adapters(self) -> dict:
+        """{adapter name: the directory it was loaded from}, as ``/v1/models`` lists them."""
+        return {c["id"]: c["root"] for c in self.call("GET", "/v1/models")["data"] if c.get("parent")}
+
+    def on_base(self) -> "VLLMServer":
+        """Back on the weights it started with, named ``default``, no adapter loaded (a test's clean start)."""
+        for name in self.adapters():
+            self.call("POST", "/v1/unload_lora_adapter", {"lora_name": name}, raw=True)
+        self.call("POST", "/collective_rpc", {"method": "reload_weights",
+                                              "kwargs": {"weights_path": str(self.model_dir)}})
+        self.call("POST", "/update_weight_version", {"new_version": "default"})
+        return self
+
+    def prompt_logprobs(self, ids: List[int], model: Optional[str] = None) -> List[float]:
+        """log p(ids[i] | ids[:i]) for i >= 1, as the engine computes them (float32), on its base model or on the
+        adapter ``model``."""
+        out = self.call("POST", "/v1/completions", {"model": model or str(self.model_dir), "prompt": ids,
+                                                    "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})
         rows = out["choices"][0]["prompt_logprobs"][1:]
         return [row[str(i)]["logprob"] for row, i in zip(rows, ids[1:])]
 
 
-def start_servers(model_dir: Path, logs: Path, n: int, api_key: Optional[str] = None) -> List[VLLMServer]:
-    """``n`` servers of ``model_dir``, started together and waited for together."""
+def start_servers(model_dir: Path, logs: Path, n: int, api_key: Optional[str] = None,
+                  options: Optional[List[dict]] = None) -> List[VLLMServer]:
+    """``n`` servers of ``model_dir``, started together and waited for together (``options``: each one's further
+    :class:`VLLMServer` arguments, e.g. ``lora_rank``)."""
     logs.mkdir(parents=True, exist_ok=True)
-    servers = [VLLMServer(model_dir, logs / f"vllm-{i}.log", api_key) for i in range(n)]
+    options = options or [{}] * n
+    servers = [VLLMServer(model_dir, logs / f"vllm-{i}.log", api_key, **options[i]) for i in range(n)]
     try:
         for s in servers:
             s.wait_ready()
