@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -22,22 +23,65 @@ ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = float(os.environ.get("PFC_VLLM_READY_TIMEOUT_S", "900"))
 # head_dim 32 (vLLM's CPU attention takes 32 and up), the demo tokenizer's 512 ids (vLLM's detokenizer fails past them)
 MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+IDS = [1, 37, 101, 7, 250, 19, 64, 300, 12, 5]
 
 
-def base_snapshot(out: Path) -> Path:
-    """The snapshot a test's engine starts on: the tiny Llama of :data:`MODEL` (seed 0) with the demo's tokenizer,
-    committed into ``out``."""
-    from paddle_fullparam_callbacks.cli.demo import demo_tokenizer, make_tiny_llama
+def base_snapshot(out: Path, framework: str = "paddleformers", **model) -> Path:
+    """The snapshot a test's engine starts on: the tiny Llama of :data:`MODEL` (seed 0; ``model``: more of its
+    config) of ``framework`` with the demo's tokenizer files, committed into ``out``."""
+    from paddle_fullparam_callbacks.cli.demo import DEMO_TOKENIZER, make_tiny_llama
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
     from paddle_fullparam_callbacks.models.model_info import build_model_source
 
-    cfg = load_config(None, [f"output_dir={out}"])
+    cfg = load_config(None, [f"output_dir={out}", f"export.tokenizer={DEMO_TOKENIZER}"])
     session = ExportSession(cfg, out)
     session.start()
-    path = session.export(build_model_source(make_tiny_llama(seed=0, **MODEL), cfg, demo_tokenizer()), 0).path
+    path = session.export(build_model_source(make_tiny_llama(framework, seed=0, **MODEL, **model), cfg), 0).path
     session.close()
     return path
+
+
+def transformers_logprobs(snapshot, ids: List[int]):
+    """transformers' prompt logprobs of ``ids`` on a snapshot's files (a list of snapshots: one list each), in the hf
+    environment (``$PFC_HF_PYTHON``)."""
+    what = json.dumps([str(p) for p in snapshot]) if isinstance(snapshot, (list, tuple)) else str(snapshot)
+    out = subprocess.run([os.environ["PFC_HF_PYTHON"], str(ROOT / "tests" / "hf_client" / "prompt_logprobs.py"),
+                          what, json.dumps(ids)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def close(a, b, tol=1e-4) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= tol
+
+
+class Client:
+    """Requests to every engine, back to back from one thread per engine, for as long as training runs:
+    (url, start, end, error or None) each; ``model``: the name requests give (default: each engine's base)."""
+
+    def __init__(self, servers, model=None):
+        self.servers, self.done, self.stop, self.model = servers, [], threading.Event(), model
+        self.threads = [threading.Thread(target=self._run, args=(s,), daemon=True) for s in servers]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, server):
+        while not self.stop.is_set():
+            t0, err = time.time(), None
+            try:
+                server.call("POST", "/v1/completions", {"model": self.model or str(server.model_dir), "prompt": IDS,
+                                                        "max_tokens": 16, "temperature": 0, "ignore_eos": True},
+                            timeout=120)
+            except Exception as e:  # any failure is what the test counts
+                err = f"{type(e).__name__}: {e}"
+            self.done.append((server.url, t0, time.time(), err))
+
+    def finish(self):
+        self.stop.set()
+        for t in self.threads:
+            t.join(180)
+        return self.done
 
 
 def vllm_python() -> str:

@@ -15,13 +15,8 @@ engine's, runtime loading off, another base, weights trained outside the adapter
 Last, engines killed mid-run (they stay dead): the second in weights mode, then the first in adapter mode."""
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
-import subprocess
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -33,11 +28,11 @@ from paddle_fullparam_callbacks.trainer.serving import ServeStartFailed
 
 from _engine import Proxy, reload_of
 from _helpers import AtStep, listing, run_cli
-from _vllm import MODEL, base_snapshot, start_servers
+import _vllm
+from _vllm import IDS, MODEL, Client, base_snapshot, close, start_servers
 
 pytestmark = [pytest.mark.paddleformers, pytest.mark.slow]
 KEY, KEY_ENV = "pfc-test-key", "PFC_TEST_VLLM_KEY"
-IDS = [1, 37, 101, 7, 250, 19, 64, 300, 12, 5]
 
 
 def name(step: int) -> str:
@@ -61,34 +56,6 @@ def key(monkeypatch):
     monkeypatch.setenv(KEY_ENV, KEY)
 
 
-class Client:
-    """Requests to every engine, back to back from one thread per engine, for as long as training runs:
-    (url, start, end, error or None) each; ``model``: the name requests give (default: each engine's base)."""
-
-    def __init__(self, servers, model=None):
-        self.servers, self.done, self.stop, self.model = servers, [], threading.Event(), model
-        self.threads = [threading.Thread(target=self._run, args=(s,), daemon=True) for s in servers]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, server):
-        while not self.stop.is_set():
-            t0, err = time.time(), None
-            try:
-                server.call("POST", "/v1/completions", {"model": self.model or str(server.model_dir), "prompt": IDS,
-                                                        "max_tokens": 16, "temperature": 0, "ignore_eos": True},
-                            timeout=120)
-            except Exception as e:  # any failure is what the test counts
-                err = f"{type(e).__name__}: {e}"
-            self.done.append((server.url, t0, time.time(), err))
-
-    def finish(self):
-        self.stop.set()
-        for t in self.threads:
-            t.join(180)
-        return self.done
-
-
 def train(tmp_path, urls, overrides, steps=6, at=None, model=None):
     cb = FullParamExportCallback(None, overrides=[
         f"output_dir={tmp_path / 'snaps'}", f"serve.url=[{','.join(urls)}]", f"serve.api_key_env={KEY_ENV}",
@@ -103,16 +70,7 @@ def train(tmp_path, urls, overrides, steps=6, at=None, model=None):
 
 
 def transformers_logprobs(snapshot):
-    """transformers' prompt logprobs of IDS on a snapshot's files (a list of snapshots: one list each)."""
-    what = json.dumps([str(p) for p in snapshot]) if isinstance(snapshot, (list, tuple)) else str(snapshot)
-    out = subprocess.run([os.environ["PFC_HF_PYTHON"], str(Path(__file__).parent / "hf_client" / "prompt_logprobs.py"),
-                          what, json.dumps(IDS)], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def close(a, b, tol=1e-4):
-    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= tol
+    return _vllm.transformers_logprobs(snapshot, IDS)
 
 
 def test_each_snapshot_is_served_by_both_engines_while_a_client_never_sees_a_request_fail(engines, key, tmp_path, caplog):
