@@ -29,7 +29,7 @@ from ..models.model_info import build_model_source, unwrap_model
 from ..plan.decisions import Decision, decide
 from .evaluation import TrainerEvaluations
 from .publishing import TrainerPublishing
-from .serving import TrainerServing, engine_holds
+from .serving import TrainerServing, adapter_source, engine_holds
 from .paths import check_trainer_paths
 from .topology import build_context, expert_axes_of
 
@@ -117,7 +117,8 @@ class FullParamExportCallback:
         shared = [("checkpoint_hook.enabled", Path(trainer_dir))] if self.config.checkpoint_hook.enabled and trainer_dir else []
         session.start(resume=bool(getattr(state, "global_step", 0)), shared=shared)
         try:
-            self._source = build_model_source(model, self.config, tokenizer, warn_no_tokenizer=warn)
+            self._source = adapter_source(lambda: build_model_source(model, self.config, tokenizer,
+                                                                     warn_no_tokenizer=warn), self.config)
             prepared = session.prepare(self._source)
             # every engine proven, against the plan's tensors (a LoRA run served as adapters: against its adapter)
             self.serving.check(ctx, self._source, prepared, model=model, session=session)

@@ -49,6 +49,20 @@ def engine_holds(config: FullParamConfig) -> Optional[Holds]:
     return Holds() if config.serve.enabled and lm.enabled and lm.backend == "engine" and lm.engine_hold else None
 
 
+def adapter_source(build, config: FullParamConfig):
+    """``build()`` (the model's export source); with ``serve.adapter``, an adapter the export cannot write (a layout
+    or a variant peft cannot describe) is refused naming that key, the mode that asked for the adapter."""
+    try:
+        return build()
+    except LoraError as e:
+        if not config.serve.adapter:
+            raise
+        why = str(e).removesuffix("; set export.peft_adapter=none")
+        raise ConfigError("serve.adapter", f"its adapter cannot be written as a PEFT adapter: {why}; such a run cannot "
+                                           "be served as adapters: serve.adapter=false reloads each snapshot's merged "
+                                           "weights instead") from e
+
+
 def adapter_run(ctx, source, prepared, model) -> tuple:
     """``serve.adapter``, on every rank: (a failure to share, or None; the run's adapter on the coordinator).
     What each rank's model allows (``models/lora/serving.py``), the adapter's tensors and config as its export will
