@@ -26,23 +26,18 @@ MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
 IDS = [1, 37, 101, 7, 250, 19, 64, 300, 12, 5]
 
 
-def base_snapshot(out: Path, framework: str = "paddleformers", **model) -> Path:
-    """The snapshot a test's engine starts on: the tiny Llama of :data:`MODEL` (seed 0; ``model``: more of its
-    config) of ``framework`` with the demo's tokenizer files, committed into ``out``."""
-    from paddle_fullparam_callbacks.cli.demo import DEMO_TOKENIZER, demo_tokenizer, make_tiny_llama
+def base_snapshot(out: Path) -> Path:
+    """The snapshot a test's engine starts on: the tiny Llama of :data:`MODEL` (seed 0) with the demo's tokenizer,
+    committed into ``out``."""
+    from paddle_fullparam_callbacks.cli.demo import demo_tokenizer, make_tiny_llama
     from paddle_fullparam_callbacks.config import load_config
     from paddle_fullparam_callbacks.export import ExportSession
     from paddle_fullparam_callbacks.models.model_info import build_model_source
 
-    # PaddleFormers' tokenizer object writes the demo's files; PaddleNLP's environment has no PaddleFormers to load
-    # it, so its snapshot copies the files as they are
-    files = [] if framework == "paddleformers" else [f"export.tokenizer={DEMO_TOKENIZER}"]
-    tokenizer = demo_tokenizer() if framework == "paddleformers" else None
-    cfg = load_config(None, [f"output_dir={out}", *files])
+    cfg = load_config(None, [f"output_dir={out}"])
     session = ExportSession(cfg, out)
     session.start()
-    path = session.export(build_model_source(make_tiny_llama(framework, seed=0, **MODEL, **model), cfg, tokenizer),
-                          0).path
+    path = session.export(build_model_source(make_tiny_llama(seed=0, **MODEL), cfg, demo_tokenizer()), 0).path
     session.close()
     return path
 

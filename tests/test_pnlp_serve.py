@@ -1,6 +1,6 @@
 """A PaddleNLP LoRA run served as adapters (``serve.adapter``) with the real PaddleNLP Trainer and one real vLLM
-CPU server (started once for the module, on the PaddleNLP base's snapshot, with LoRA and its runtime adapter
-endpoints): fused q/k/v and gate/up (one LoRA layer over each fused weight) with rsLoRA, so the adapter the engine
+CPU server (started once for the module, with LoRA and its runtime adapter endpoints, on the Hugging Face base that
+``paddle-fullparam convert --as-base`` writes from the base saved in Paddle's format): fused q/k/v and gate/up (one LoRA layer over each fused weight) with rsLoRA, so the adapter the engine
 loads is split into the Hugging Face names, each snapshot loaded while a client naming the adapter never sees a
 request fail, then the adapter's logprobs equal transformers' on the merged snapshot; a PiSSA run, whose adapter
 would apply to a residual base, refused at start."""
@@ -12,9 +12,9 @@ from paddle_fullparam_callbacks import FullParamExportCallback, attach
 from paddle_fullparam_callbacks.cli.demo import DEMO_TOKENIZER, make_tiny_llama, make_trainer, trainer_args
 from paddle_fullparam_callbacks.config.schema import ConfigError
 
-from _helpers import AtStep
+from _helpers import AtStep, run_cli
 from _lora_cases import set_nonzero_lora
-from _vllm import IDS, MODEL, Client, VLLMServer, base_snapshot, close, transformers_logprobs
+from _vllm import IDS, MODEL, Client, VLLMServer, close, transformers_logprobs
 
 pytestmark = [pytest.mark.paddlenlp, pytest.mark.slow]
 FUSED = dict(fuse_attention_qkv=True, fuse_attention_ffn=True)
@@ -27,9 +27,15 @@ def name(step: int) -> str:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    """vLLM on the PaddleNLP base (seed 0, fused layers: the snapshot holds them split), LoRA up to rank 8."""
+    """vLLM on the PaddleNLP base (seed 0, fused layers), LoRA up to rank 8. The base is held in Paddle's format only
+    (``save_pretrained``: Paddle names, fused weights); ``convert --as-base`` writes the Hugging Face one the engine
+    starts on, as docs/serving.md says."""
     tmp = tmp_path_factory.mktemp("engine")
-    server = VLLMServer(base_snapshot(tmp / "base", "paddlenlp", **FUSED), tmp / "vllm.log", lora_rank=8)
+    make_tiny_llama("paddlenlp", seed=0, **MODEL, **FUSED).save_pretrained(str(tmp / "paddle_base"))
+    out = run_cli("convert", str(tmp / "paddle_base"), "--output-dir", str(tmp / "base"), "--as-base",
+                  f"export.tokenizer={DEMO_TOKENIZER}")
+    assert out.returncode == 0, out.stderr
+    server = VLLMServer(tmp / "base" / "hf-step-000000", tmp / "vllm.log", lora_rank=8)
     try:
         yield server.wait_ready()
     finally:
