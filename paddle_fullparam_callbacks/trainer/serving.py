@@ -87,7 +87,11 @@ def adapter_run(ctx, source, prepared, model) -> tuple:
     if ctx.mesh.size == 1:  # the whole model is in this process: its base forward needs no other rank
         vocab = int((source.hf_config or {}).get("vocab_size") or 256)
         run.ids = probe_ids(source.tokenizer, vocab)
-        run.logprobs = base_logprobs(unwrap_model(model), run.ids)
+        try:
+            run.logprobs = base_logprobs(unwrap_model(model), run.ids)
+        except Exception as e:  # e.g. out of memory: the base is still checked by its names and shapes
+            logger.warning("serve.adapter: the run's base forward for the engines' base check failed (%s: %s); the "
+                           "engines' base is checked by its names and shapes only", type(e).__name__, e)
     else:
         logger.info("serve.adapter: the model is split over %d ranks here, so the engines' base is checked by its "
                     "names and shapes only (not by its log-probabilities)", ctx.mesh.size)

@@ -12,7 +12,6 @@ last swap stays too: requests that started on it carry its directory until they 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ...config.serving import ADAPTER_DIRECTORY as DIRECTORY
@@ -94,16 +93,3 @@ def initial(adapters: Mapping[str, str], stable_name: str, snapshots: Mapping[st
     own = sorted((n for n, path in adapters.items() if n in snapshots and snapshots[n][1] == path),
                  key=lambda n: snapshots[n][0])
     return Held(stable, None, own)
-
-
-def snapshot_of(root: Optional[str], base: str) -> Optional[str]:
-    """The snapshot name an adapter directory belongs to when it lies in ``base`` (as the engine sees the output
-    directory); else None.
-
-    >>> snapshot_of("/models/hf-step-000004/adapter", "/models"), snapshot_of("/elsewhere/adapter", "/models")
-    ('hf-step-000004', None)
-    """
-    if not root:
-        return None
-    p = Path(root)
-    return p.parent.name if p.name == DIRECTORY and str(p.parent.parent) == str(Path(base)) else None
