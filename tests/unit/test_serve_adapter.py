@@ -314,3 +314,14 @@ def test_the_evaluation_hook_holds_each_snapshot_until_its_evaluation_lands(tmp_
     late = make_snapshot(tmp_path, 4)
     hook.committed(late.name, late, 4)  # after the end: never in line, never held
     assert not holds.held(late.name)
+
+
+def test_paddle_fullparam_serve_loads_a_snapshot_on_disk_as_an_adapter(engine, tmp_path):
+    from paddle_fullparam_callbacks.consumers.serve.offline import serve_path
+
+    snap = make_snapshot(tmp_path, 4, adapter_rank=4)
+    job = serve_path(snap, cfg(engine.url, more=["serve.keep_adapters=1", "serve.check_model=false"]), say=lambda _: None)
+    entry = job.entries[engine.url]
+    assert entry["status"] == "ok" and entry["loaded"] == ["latest", snap.name] and entry["mode"] == "adapter"
+    assert engine.adapters == {"latest": str(snap.resolve() / "adapter"), snap.name: str(snap.resolve() / "adapter")}
+    assert records.read(snap, engine.url)["adapters"] == {"latest": snap.name, snap.name: snap.name}
