@@ -253,15 +253,15 @@ def decode_cost(server, snap: Path, reps: int, tokens: int = 32) -> dict:
     engine = VLLMEngine(server.url, timeout_s=600)
     path = str(snap / "adapter")
     engine.client.call("POST", "/v1/load_lora_adapter", {"lora_name": "bench-plain", "lora_path": path}, text=True)
-    engine.client.call("POST", "/v1/load_lora_adapter", {"lora_name": "latest", "lora_path": path, "load_inplace": True},
-                       text=True)
+    engine.client.call("POST", "/v1/load_lora_adapter",
+                       {"lora_name": "latest", "lora_path": path, "load_inplace": True}, text=True)
     models = {"base": str(server.model_dir), "adapter": "bench-plain", "adapter_in_place": "latest"}
     seconds = {k: [] for k in models}
     for _ in range(max(reps, 1)):
         for kind, model in models.items():
             t = time.perf_counter()
-            engine.client.call("POST", "/v1/completions", {"model": model, "prompt": [1, 37, 101, 7], "max_tokens": tokens,
-                                                           "temperature": 0, "ignore_eos": True})
+            engine.client.call("POST", "/v1/completions", {"model": model, "prompt": [1, 37, 101, 7],
+                                                           "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
             seconds[kind].append(time.perf_counter() - t)
     engine.client.call("POST", "/v1/unload_lora_adapter", {"lora_name": "bench-plain"}, text=True)
     med = {k: round(C.median(v), 4) for k, v in seconds.items()}
@@ -344,7 +344,8 @@ def stall_runs(size: str, work: Path, url: str, reps: int, exports: int, steps: 
             "lora_stall_ratio_vs_off": lora, "training_seconds_median": train,
             "training_slowdown_on_vs_off": round(train["on"] / train["off"], 4),
             "swaps_ok": all(s in ("ok", "skipped") for s in served) and bool(served),
-            "met": {"stall on <= 1.05x off": ratio <= 1.05, "LoRA stall adapter mode <= 1.05x off": lora["adapter"] <= 1.05},
+            "met": {"stall on <= 1.05x off": ratio <= 1.05,
+                    "LoRA stall adapter mode <= 1.05x off": lora["adapter"] <= 1.05},
             "runs": runs}
 
 
@@ -397,7 +398,8 @@ def main():
               f"(served in {s['served_over_restart']:.4f}x); stall on/off {st['stall_ratio_on_vs_off']:.3f}")
         print(f"{size} LoRA: commit to served {a['commit_to_served_s_median']['adapter']:.3f} s as an adapter, "
               f"{a['commit_to_served_s_median']['weights']:.3f} s reloading the weights "
-              f"({a['ratio_adapter_over_weights']:.3f}x); paused in adapter mode: {a['engine_paused_in_adapter_mode']}; "
+              f"({a['ratio_adapter_over_weights']:.3f}x); paused in adapter mode: "
+              f"{a['engine_paused_in_adapter_mode']}; "
               f"stall vs off: adapter {st['lora_stall_ratio_vs_off']['adapter']:.3f}, weights "
               f"{st['lora_stall_ratio_vs_off']['weights']:.3f}; in-place adapter decode "
               f"{a['decode']['in_place_over_plain']:.2f}x the plain one")

@@ -2,10 +2,11 @@
 environment) and one real vLLM server (its CPU build, started once for the module): a trained tiny model's snapshots
 scored on the bundled task pair (multiple choice and generation) on the engine that serves them while training goes
 on, then on transformers by ``paddle-fullparam evaluate``, with the same metrics, log-likelihoods and generations;
-``best`` following an lm-eval metric; with training faster than scoring, the engine held on each snapshot until
-its evaluation is over (every snapshot it serves scored as transformers scores it, no training step delayed); without
-the hold, an engine that moved to a newer snapshot during a run (discarded, never the snapshot's score); an engine that went down mid-evaluation; the start refused before step 1 for a missing task
-and a missing data file; the harness's built-in tasks found only when asked for."""
+``best`` following an lm-eval metric; with training faster than scoring, the engine held on each snapshot until its
+evaluation is over (every snapshot it serves scored as transformers scores it, no training step delayed); without
+the hold, an engine that moved to a newer snapshot during a run (discarded, never the snapshot's score); an engine
+that went down mid-evaluation; the start refused before step 1 for a missing task and a missing data file; the
+harness's built-in tasks found only when asked for."""
 from __future__ import annotations
 
 import json

@@ -205,8 +205,8 @@ def test_the_base_an_engine_serving_adapters_starts_on_converts_from_the_flex_ch
     """``convert --as-base`` (docs/serving.md: the base the engine starts on): the LoRA run's checkpoint gives its base
     weights without the update, the callback's ``export.lora=base`` snapshot bit for bit, and no adapter."""
     root = cases["train"]["snapshot"].parents[1]
-    out = run_cli("convert", str(root / "trainer" / "checkpoint-2"), "--output-dir", str(tmp_path / "base"), "--as-base",
-                  "--config", str(root / "model_config.json"), "--lora-config", str(root / "lora"))
+    out = run_cli("convert", str(root / "trainer" / "checkpoint-2"), "--output-dir", str(tmp_path / "base"),
+                  "--as-base", "--config", str(root / "model_config.json"), "--lora-config", str(root / "lora"))
     assert out.returncode == 0, out.stderr
     path = tmp_path / "base" / "hf-step-000002"
     assert f"the base for serve.adapter: start the engine on {path}" in out.stdout and verify_snapshot(path).ok

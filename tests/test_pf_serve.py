@@ -191,7 +191,7 @@ def lora_model(seed=0, model=None, **config):
     return lm
 
 
-def test_a_lora_run_is_served_as_adapters_while_a_client_naming_the_adapter_never_sees_a_failure(engines, key, tmp_path):
+def test_a_lora_run_is_served_as_adapters_while_a_client_naming_it_never_sees_a_failure(engines, key, tmp_path):
     engine = engines[0].on_base()
     base = engine.prompt_logprobs(IDS)
     client = {}
@@ -215,7 +215,8 @@ def test_a_lora_run_is_served_as_adapters_while_a_client_naming_the_adapter_neve
                                  name(8): str(snaps / name(8) / "adapter")}
     six, eight = transformers_logprobs([snaps / name(6), snaps / name(8)])
     assert close(engine.prompt_logprobs(IDS, "latest"), eight) and close(engine.prompt_logprobs(IDS, name(8)), eight)
-    assert close(engine.prompt_logprobs(IDS, name(6)), six) and not close(six, eight, 1e-3) and not close(base, eight, 1e-2)
+    assert close(engine.prompt_logprobs(IDS, name(6)), six)
+    assert not close(six, eight, 1e-3) and not close(base, eight, 1e-2)  # the steps and the base differ
 
 
 def test_the_start_is_refused_for_each_run_or_engine_an_adapter_cannot_serve(engines, key, tmp_path, monkeypatch):
@@ -226,20 +227,21 @@ def test_the_start_is_refused_for_each_run_or_engine_an_adapter_cannot_serve(eng
     proxy = Proxy(lora.url)  # vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING: its adapter endpoints answer 404 (seen)
     proxy.answer(lambda m, p, b: "lora_adapter" in p, 404, {"detail": "Not Found"})
     wider = make_tiny_llama(seed=0, **{**MODEL, "intermediate_size": 384})
+    lacks = r"/v1/load_lora_adapter, /v1/unload_lora_adapter: start vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING="
     cases = {
-        "no LoRA run": (lora, make_tiny_llama(seed=0, **MODEL), r"^serve.adapter: the model holds no LoRA layer \(not a "
-                                                                  r"LoRA run\)"),
-        "LoRA off": (plain, lora_model(), rf"^serve.adapter: {plain.url} has no LoRA enabled \(LoRA is not enabled. Use "
-                                          r"--enable-lora to enable LoRA.\): start vLLM with"),
-        "rank": (lora, lora_model(r=16, lora_alpha=16), rf"^serve.adapter: {lora.url} takes adapters of a lower rank "
-                                                        r"than the run's r=16 \(LoRA rank 16 is greater than max_lora_rank"
-                                                        r" 8.\)"),
-        "runtime off": (proxy, lora_model(), rf"^serve.adapter: {proxy.url} lacks /v1/load_lora_adapter, "
-                                             r"/v1/unload_lora_adapter: start vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING="),
-        "another base": (lora, lora_model(seed=1), rf"^serve.adapter: {lora.url} serves another base than the run's: on "
-                                                   r"the same 16 tokens"),
-        "other shapes": (lora, lora_model(model=wider), rf"^serve.url: {lora.url} serves the model in .*, which the "
-                                                        r"run's base .* does not fit: .* tensor\(s\) have other shapes"),
+        "no LoRA run": (lora, make_tiny_llama(seed=0, **MODEL),
+                        r"^serve.adapter: the model holds no LoRA layer \(not a LoRA run\)"),
+        "LoRA off": (plain, lora_model(), rf"^serve.adapter: {plain.url} has no LoRA enabled \(LoRA is not enabled. "
+                                          r"Use --enable-lora to enable LoRA.\): start vLLM with"),
+        "rank": (lora, lora_model(r=16, lora_alpha=16),
+                 rf"^serve.adapter: {lora.url} takes adapters of a lower rank than the run's r=16 \(LoRA rank 16 is "
+                 r"greater than max_lora_rank 8.\)"),
+        "runtime off": (proxy, lora_model(), rf"^serve.adapter: {proxy.url} lacks {lacks}"),
+        "another base": (lora, lora_model(seed=1),
+                         rf"^serve.adapter: {lora.url} serves another base than the run's: on the same 16 tokens"),
+        "other shapes": (lora, lora_model(model=wider),
+                         rf"^serve.url: {lora.url} serves the model in .*, which the run's base .* does not fit: .* "
+                         r"tensor\(s\) have other shapes"),
         "trained outside": (lora, lora_model(trainable_modules=[".*embed_tokens.*"]),
                             r"^serve.adapter: the run trains 1 weight\(s\) outside the adapter \(model.embed_tokens"
                             r".weight: .*set serve.adapter=false"),

@@ -1,9 +1,10 @@
 """A PaddleNLP LoRA run served as adapters (``serve.adapter``) with the real PaddleNLP Trainer and one real vLLM
 CPU server (started once for the module, with LoRA and its runtime adapter endpoints, on the Hugging Face base that
-``paddle-fullparam convert --as-base`` writes from the base saved in Paddle's format): fused q/k/v and gate/up (one LoRA layer over each fused weight) with rsLoRA, so the adapter the engine
-loads is split into the Hugging Face names, each snapshot loaded while a client naming the adapter never sees a
-request fail, then the adapter's logprobs equal transformers' on the merged snapshot; a PiSSA run, whose adapter
-would apply to a residual base, refused at start."""
+``paddle-fullparam convert --as-base`` writes from the base saved in Paddle's format): fused q/k/v and gate/up (one
+LoRA layer over each fused weight) with rsLoRA, so the adapter the engine loads is split into the Hugging Face
+names, each snapshot loaded while a client naming the adapter never sees a request fail, then the adapter's logprobs
+equal transformers' on the merged snapshot; a PiSSA run, whose adapter would apply to a residual base, refused at
+start."""
 from __future__ import annotations
 
 import pytest
@@ -50,10 +51,10 @@ def train(tmp_path, url, lora, steps=6, at=None, overrides=()):
     set_nonzero_lora(lm, seed=5)
     cb = FullParamExportCallback(None, overrides=[
         f"output_dir={tmp_path / 'snaps'}", f"serve.url={url}", "serve.adapter=true", "serve.wait=true",
-        "trigger.every_n_steps=2", "serve.timeout_s=60", "serve.reload_timeout_s=120", f"export.tokenizer={DEMO_TOKENIZER}",
-        *overrides])
-    trainer = make_trainer("paddlenlp", lm, trainer_args("paddlenlp", str(tmp_path / "trainer"), steps, save_steps=1000),
-                           [])
+        "trigger.every_n_steps=2", "serve.timeout_s=60", "serve.reload_timeout_s=120",
+        f"export.tokenizer={DEMO_TOKENIZER}", *overrides])
+    args = trainer_args("paddlenlp", str(tmp_path / "trainer"), steps, save_steps=1000)
+    trainer = make_trainer("paddlenlp", lm, args, [])
     attach(trainer, cb)
     if at:
         trainer.add_callback(AtStep(at))
@@ -73,7 +74,8 @@ def test_a_fused_rslora_run_is_served_as_adapters_split_into_hf_names(engine, tm
     config = (snaps / name(6) / "adapter" / "adapter_config.json").read_text()
     assert '"use_rslora": true' in config and '"q_proj"' in config and '"gate_proj"' in config  # split into HF names
     expected = transformers_logprobs(snaps / name(6), IDS)
-    assert close(engine.prompt_logprobs(IDS, "latest"), expected) and close(engine.prompt_logprobs(IDS, name(6)), expected)
+    assert close(engine.prompt_logprobs(IDS, "latest"), expected)
+    assert close(engine.prompt_logprobs(IDS, name(6)), expected)
     assert engine.version() == "default" and not close(engine.prompt_logprobs(IDS), expected, 1e-2)
 
 

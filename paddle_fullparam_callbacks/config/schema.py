@@ -355,8 +355,8 @@ class FullParamConfig:
         if not serve.enabled:
             raise ConfigError("serve.adapter", "is true, but serve.url names no engine")
         if self.export.format != "hf_safetensors":
-            raise ConfigError("serve.adapter", f"loads each snapshot's PEFT adapter, which holds Hugging Face names: it "
-                                               f"needs export.format=hf_safetensors, not {self.export.format!r}")
+            raise ConfigError("serve.adapter", f"loads each snapshot's PEFT adapter, which holds Hugging Face names: "
+                                               f"it needs export.format=hf_safetensors, not {self.export.format!r}")
         if snapshot_step_pattern(self.export.name_template).fullmatch(serve.adapter_name):
             raise ConfigError("serve.adapter_name", f"{serve.adapter_name!r} reads as a snapshot's name "
                                                     f"(export.name_template={self.export.name_template!r}), which "

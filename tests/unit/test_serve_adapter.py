@@ -24,7 +24,9 @@ from paddle_fullparam_callbacks.consumers.serve import adapters, records  # noqa
 from paddle_fullparam_callbacks.consumers.serve.adapter_start import PROBE_DIR, RunAdapter  # noqa: E402
 from paddle_fullparam_callbacks.consumers.serve.engines import Adapter, VLLMEngine  # noqa: E402
 from paddle_fullparam_callbacks.consumers.serve.hook import EngineState, ServeHook  # noqa: E402
-from paddle_fullparam_callbacks.consumers.serve.probe import ServeStartFailed, initial_states, prove_engines  # noqa: E402
+from paddle_fullparam_callbacks.consumers.serve.probe import (  # noqa: E402
+    ServeStartFailed, initial_states, prove_engines,
+)
 
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
@@ -76,9 +78,8 @@ def test_adapter_mode_writes_the_adapter_and_is_switched_on_by_recipes_overrides
     recipe = tmp_path / "r.yaml"
     recipe.write_text("serve:\n  url: http://10.0.0.5:8000\n  adapter: true\n  keep_adapters: 2\n  adapter_name: cur\n")
     by_recipe = load_config(str(recipe))
-    by_env = RunSettings.from_environ({"PADDLE_FULLPARAM_OVERRIDES": "serve.url=http://10.0.0.5:8000 serve.adapter=true "
-                                                                     "serve.keep_adapters=2 serve.adapter_name=cur"}
-                                      ).load_config()
+    overrides = "serve.url=http://10.0.0.5:8000 serve.adapter=true serve.keep_adapters=2 serve.adapter_name=cur"
+    by_env = RunSettings.from_environ({"PADDLE_FULLPARAM_OVERRIDES": overrides}).load_config()
     assert by_recipe.serve == by_env.serve and by_env.serve.keep_adapters == 2 and by_env.serve.adapter_name == "cur"
     assert by_recipe.export.peft_adapter == by_env.export.peft_adapter == "inside"  # the mode turns the adapter on
     assert load_config(None, ["serve.url=http://a:1"]).export.peft_adapter == "none"
@@ -115,7 +116,8 @@ def test_a_refused_load_leaves_the_stable_name_on_what_it_held_and_goes_no_furth
     s = VLLMEngine(engine.url).load_adapter(Adapter(str(tmp_path / "big"), "hf-step-000006",
                                                     ["latest", "hf-step-000006"], ["hf-step-000002"], "hf-step-000004"))
     assert not s.ok and s.version == "hf-step-000004" and s.loaded == [] and s.unloaded == []
-    assert "the engine keeps serving hf-step-000004 under that name: LoRA rank 16 is greater than max_lora_rank 8." in s.error
+    assert ("the engine keeps serving hf-step-000004 under that name: LoRA rank 16 is greater than max_lora_rank 8."
+            in s.error)
     assert adapter_calls(engine) == [(LOAD, "latest", True)] and engine.adapters == {"latest": "/old/adapter"}
 
 
@@ -157,9 +159,9 @@ def test_the_start_loads_a_zero_adapter_of_the_run_and_compares_the_base(engine,
     assert load["lora_path"] == probe_dir and not (tmp_path / PROBE_DIR).exists()  # gone from disk too
     assert [p for m, p, b, _ in engine.calls][-1] == "/v1/completions"
     engine.base_logprobs = lambda ids: [-1.5, -2.5, -3.5]
-    with pytest.raises(ServeStartFailed, match=rf"^serve.adapter: {engine.url} serves another base than the run's: on "
-                                               r"the same 4 tokens .* by 0.5 nats on average \(at most 0.5\), more than "
-                                               r"serve.base_tolerance=0.05"):
+    with pytest.raises(ServeStartFailed, match=rf"^serve.adapter: {engine.url} serves another base than the run's: "
+                                               r"on the same 4 tokens .* by 0.5 nats on average \(at most 0.5\), more "
+                                               r"than serve.base_tolerance=0.05"):
         prove_engines(c, None, adapter=run_adapter(), output_dir=tmp_path, run_id="run-a")
     with pytest.raises(ServeStartFailed, match=rf"^serve.adapter: {engine.url} takes adapters of a lower rank than the "
                                                r"run's r=16 \(LoRA rank 16 is greater than max_lora_rank 8.\)"):
@@ -209,7 +211,8 @@ def adapter_hook(c, states=None, holds=None):
     return ServeHook(c.serve, states or {u: EngineState(u) for u in c.serve.urls}, "run-a", holds=holds)
 
 
-def test_keep_adapters_two_shows_the_last_two_steps_side_by_side_and_retention_keeps_what_engines_hold(engine, tmp_path):
+def test_keep_adapters_two_shows_the_last_two_steps_side_by_side_and_retention_keeps_what_engines_hold(engine,
+                                                                                                      tmp_path):
     hook = adapter_hook(cfg(engine.url, more=["serve.keep_adapters=2"]))
     snaps = [make_snapshot(tmp_path, s, adapter_rank=4) for s in (2, 4, 6)]
     for s in snaps:
@@ -320,7 +323,8 @@ def test_paddle_fullparam_serve_loads_a_snapshot_on_disk_as_an_adapter(engine, t
     from paddle_fullparam_callbacks.consumers.serve.offline import serve_path
 
     snap = make_snapshot(tmp_path, 4, adapter_rank=4)
-    job = serve_path(snap, cfg(engine.url, more=["serve.keep_adapters=1", "serve.check_model=false"]), say=lambda _: None)
+    job = serve_path(snap, cfg(engine.url, more=["serve.keep_adapters=1", "serve.check_model=false"]),
+                     say=lambda _: None)
     entry = job.entries[engine.url]
     assert entry["status"] == "ok" and entry["loaded"] == ["latest", snap.name] and entry["mode"] == "adapter"
     assert engine.adapters == {"latest": str(snap.resolve() / "adapter"), snap.name: str(snap.resolve() / "adapter")}

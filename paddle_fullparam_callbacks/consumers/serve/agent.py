@@ -9,8 +9,9 @@ environment, so the key is never written to disk; ``timeout_s``, ``reload_timeou
 ``[{"url", "target": {"path", "version"}, "fallback": {"path", "version"} | null}]``, or in adapter mode
 ``[{"url", "adapter": {"path", "version", "names", "unload", "held"}}]``; ``verify``: ``snapshot`` or ``adapter``).
 It verifies the snapshot (sizes, headers, every file's checksum; adapter mode: its adapter's files only; one that
-fails is offered to no engine), swaps (or loads the adapter into) every engine in a thread of its own, writes ``output.json`` (``{"verified", "verify_s", "swaps":
-[Swap.as_dict(), ...]}``, atomically) and a line per engine to ``log``, then answers the path on stdout.
+fails is offered to no engine), swaps (or loads the adapter into) every engine in a thread of its own, writes
+``output.json`` (``{"verified", "verify_s", "swaps": [Swap.as_dict(), ...]}``, atomically) and a line per engine to
+``log``, then answers the path on stdout.
 
 Why one long-lived process, started with the job: a snapshot reaches the engines in the time of the engines'
 own calls (starting Python and importing the package cost more than a small model's reload, and are paid once,

@@ -255,7 +255,8 @@ class ServeHook(ConsumerHook):
                 out.append({"url": url, "adapter": vars(load)})
             else:
                 job.targets[url] = Target(path, job.name)
-                out.append({"url": url, "target": vars(job.targets[url]), "fallback": vars(fallback) if fallback else None})
+                out.append({"url": url, "target": vars(job.targets[url]),
+                            "fallback": vars(fallback) if fallback else None})
         return out
 
     def _finalize(self, job: Serving) -> None:

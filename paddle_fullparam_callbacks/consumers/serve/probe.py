@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from ...config.schema import ConfigError, ServeConfig
-from ...config.serving import format_engine_path
+from ...config.serving import format_adapter_path, format_engine_path
 from ...export.commit.ownership import read_manifest
 from . import adapters
 from .adapter_start import RunAdapter, adapter_problems
@@ -142,5 +142,5 @@ def _adapter_dirs(cfg: ServeConfig, p: Probe, output_dir: Optional[Path]) -> Dic
         if manifest is None:
             continue
         step = manifest.get("step") if isinstance(manifest.get("step"), int) else 0
-        out[name] = (step, adapters.adapter_path(format_engine_path(cfg.path_template, str(snap.resolve()), name, step)))
+        out[name] = (step, format_adapter_path(cfg.path_template, str(snap.resolve()), name, step))
     return out

@@ -34,8 +34,8 @@ def adapter_mode_problem(model, alone: bool = True) -> Optional[str]:
                 "reloads each snapshot's weights instead")
     merged = [lay.name for lay in layers if lay.state() == "merged"]
     if merged:
-        return (f"LoRA layer {merged[0]!r} is merged into its weight (PaddleFormers' merge(), PaddleNLP's merge_weights): "
-                "the model no longer holds the base weights the engines serve")
+        return (f"LoRA layer {merged[0]!r} is merged into its weight (PaddleFormers' merge(), PaddleNLP's "
+                "merge_weights): the model no longer holds the base weights the engines serve")
     try:
         peft.adapter_settings(layers)
     except LoraError as e:
