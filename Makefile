@@ -72,9 +72,9 @@ test-paddleformers:
 	PFC_HF_PYTHON=$$HF PFC_VLLM_PYTHON=$$VLLM $$PY -m pytest $(TESTS) --ignore-glob='tests/test_pnlp_*' $(XDIST) $(PYTEST_ARGS)
 
 test-paddlenlp:
-	@PY=$$($(ENV) paddlenlp); HF=$$($(ENV) hf); \
+	@PY=$$($(ENV) paddlenlp); HF=$$($(ENV) hf); VLLM=$$($(ENV) vllm); \
 	echo "== tests in the PaddleNLP environment"; \
-	PFC_HF_PYTHON=$$HF $$PY -m pytest tests --ignore-glob='tests/test_pf_*' --ignore-glob='tests/unit/test_pf_*' --ignore=tests/test_install.py $(XDIST) $(PYTEST_ARGS)
+	PFC_HF_PYTHON=$$HF PFC_VLLM_PYTHON=$$VLLM $$PY -m pytest tests --ignore-glob='tests/test_pf_*' --ignore-glob='tests/unit/test_pf_*' --ignore=tests/test_install.py $(XDIST) $(PYTEST_ARGS)
 
 bench:
 	@PY=$$($(ENV) paddleformers); \

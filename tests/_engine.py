@@ -9,7 +9,9 @@ succeeds, and the first completion served on broken weights kills the engine (th
 Misbehaviour, on either: ``fail(match)`` answers matching requests with HTTP 500 (a fake engine's reload then
 breaks its weights, as vLLM's does); ``hang(match)`` holds them until :meth:`release` (``arrived`` is set when one
 arrives, so a test waits on an event, never a sleep); ``rewrite(match, fn)`` (proxy) changes a request's JSON body
-before it is forwarded (e.g. a reload pointed at a damaged copy: a real half-way failure).
+before it is forwarded (e.g. a reload pointed at a damaged copy: a real half-way failure); ``answer(match, status,
+obj)`` (proxy) answers in the engine's stead (e.g. the 404 vLLM gives for its adapter endpoints when runtime loading
+is off, seen here).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class _Rules:
         self.failing: List[Tuple[Callable, int]] = []
         self.hanging: List[Callable] = []
         self.rewrites: List[Tuple[Callable, Callable]] = []
+        self.answers: List[Tuple[Callable, int, object]] = []
         self.arrived = threading.Event()
         self._release = threading.Event()
 
@@ -45,6 +48,11 @@ class _Rules:
 
     def rewrite(self, match: Callable[[str, str, dict], bool], fn: Callable[[dict], dict]) -> None:
         self.rewrites.append((match, fn))
+
+    def answer(self, match: Callable[[str, str, dict], bool], status: int, obj) -> None:
+        """Answer matching requests with ``status`` and ``obj`` instead of the engine (e.g. vLLM's 404 for an
+        endpoint it has not got)."""
+        self.answers.append((match, status, obj))
 
     def release(self) -> None:
         self.hanging.clear()
@@ -98,6 +106,9 @@ class _Server:
     def rewrite(self, *a, **k):
         return self.rules.rewrite(*a, **k)
 
+    def answer(self, *a, **k):
+        return self.rules.answer(*a, **k)
+
     def release(self):
         self.rules.release()
 
@@ -134,13 +145,21 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class FakeVLLM(_Server):
-    """A vLLM stand-in (see the module)."""
+    """A vLLM stand-in (see the module). ``lora_rank``: LoRA enabled with that ``--max-lora-rank``; ``runtime_lora``:
+    the adapter endpoints exist (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``). Its adapters (``adapters``: {name: path})
+    answer as vLLM 0.32 was seen to: a load reads the adapter's ``adapter_config.json`` (a rank above the largest,
+    ``use_dora``, a directory that is not there are refused in vLLM's words) before it replaces one in place; the
+    base's prompt log-probabilities are ``base_logprobs(ids)``."""
 
-    def __init__(self, root: str = "/nonexistent/engine-model", dev_mode: bool = True, api_key: Optional[str] = None):
+    def __init__(self, root: str = "/nonexistent/engine-model", dev_mode: bool = True, api_key: Optional[str] = None,
+                 lora_rank: int = 0, runtime_lora: bool = True):
         super().__init__(_FakeHandler)
         self.root, self.dev_mode, self.api_key = root, dev_mode, api_key
         self.version, self.paused, self.weights, self.broken, self.dead = "default", False, root, False, False
         self.resumed = threading.Condition()
+        self.lora_rank, self.runtime_lora = lora_rank, runtime_lora
+        self.adapters: dict = {}
+        self.base_logprobs = lambda ids: [-1.0] * (len(ids) - 1)
 
     def state(self) -> dict:
         return {"version": self.version, "paused": self.paused, "weights": self.weights, "broken": self.broken,
@@ -163,7 +182,11 @@ class _FakeHandler(_Handler):
             return self._send(404, {"detail": "Not Found"})
         fail, body = eng.rules.applies(method, self.path, body)
         if method == "GET" and path == "/v1/models":
-            return self._send(200, {"object": "list", "data": [{"id": eng.root, "root": eng.root}]})
+            cards = [{"id": eng.root, "root": eng.root, "parent": None, "max_model_len": 128}]
+            cards += [{"id": n, "root": p, "parent": eng.root} for n, p in eng.adapters.items()]
+            return self._send(200, {"object": "list", "data": cards})
+        if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            return self._adapter_call(eng, path, body, fail)
         if method == "GET" and path == "/weight_info":
             return self._send(200, {"weight_version": eng.version})
         if method == "GET" and path == "/is_paused":
@@ -203,8 +226,62 @@ class _FakeHandler(_Handler):
             if eng.broken:
                 eng.dead = True  # vLLM's engine core dies on its first forward over placeholders
                 return self._send(500, {"error": {"message": "EngineCore encountered an issue"}})
+            model = body.get("model")
+            if model in eng.adapters:
+                return self._send(200, {"adapter": model, "path": eng.adapters[model]})
+            if body.get("prompt_logprobs") is not None:
+                ids = body["prompt"]
+                rows = [None] + [{str(i): {"logprob": lp}} for i, lp in zip(ids[1:], eng.base_logprobs(ids))]
+                return self._send(200, {"choices": [{"prompt_logprobs": rows}]})
             return self._send(200, {"version": eng.version, "weights": eng.weights})
         return self._send(404, {"detail": "Not Found"})
+
+    def _adapter_call(self, eng: "FakeVLLM", path: str, body: dict, fail: bool) -> None:
+        if not eng.runtime_lora:
+            return self._send(404, {"detail": "Not Found"})
+        name, where = body.get("lora_name"), body.get("lora_path")
+        if not name or (path == "/v1/load_lora_adapter" and not where):
+            return self._send(400, {"error": {"message": "validation error: lora_name, lora_path", "code": 400}})
+        if path == "/v1/unload_lora_adapter":
+            if fail:
+                return self._send(500, {"error": {"message": "injected failure of the unload", "code": 500}})
+            if name not in eng.adapters:
+                return self._send(404, {"error": {"message": f"The lora adapter '{name}' cannot be found.",
+                                                  "type": "NotFoundError", "code": 404}})
+            del eng.adapters[name]
+            return self._send_text(f"Success: LoRA adapter '{name}' removed successfully.")
+        if name in eng.adapters and not body.get("load_inplace"):
+            return self._send(400, {"error": {"message": f"The lora adapter '{name}' has already been loaded.",
+                                              "code": 400}})
+        words = None
+        config = Path(where) / "adapter_config.json"
+        if fail:
+            words = "injected failure of the load"
+        elif not eng.lora_rank:
+            words = "LoRA is not enabled. Use --enable-lora to enable LoRA."
+        elif not config.is_file():
+            return self._send(404, {"error": {"message": f"Loading lora {name} failed: No adapter found for {where}",
+                                              "type": "NotFoundError", "code": 404}})
+        else:
+            cfg = json.loads(config.read_text())
+            if cfg.get("use_dora"):
+                words = "vLLM does not yet support DoRA."
+            elif int(cfg.get("r", 0)) > eng.lora_rank:
+                words = f"LoRA rank {cfg['r']} is greater than max_lora_rank {eng.lora_rank}."
+        if words:  # vLLM's own wrapping of its worker's words; the adapter held under the name stays
+            return self._send(500, {"error": {"message": f"Call to add_lora method failed: Worker failed with error "
+                                                         f"'{words}', please check the stack trace above for the "
+                                                         "root cause", "type": "InternalServerError", "code": 500}})
+        eng.adapters[name] = where
+        return self._send_text(f"Success: LoRA adapter '{name}' added successfully.")
+
+    def _send_text(self, text: str) -> None:
+        data = text.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def do_GET(self):
         self._route("GET")
@@ -231,6 +308,9 @@ class _ProxyHandler(_Handler):
         except ValueError:
             body = {}
         px.calls.append((method, self.path, body, time.time()))
+        for match, status, obj in px.rules.answers:
+            if match(method, self.path, body if isinstance(body, dict) else {}):
+                return self._send(status, obj)
         fail, new = px.rules.applies(method, self.path, body if isinstance(body, dict) else {})
         if fail:
             return self._send(500, {"error": {"message": f"injected failure of {self.path}"}})

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = float(os.environ.get("PFC_VLLM_READY_TIMEOUT_S", "900"))
 # head_dim 32 (vLLM's CPU attention takes 32 and up), the demo tokenizer's 512 ids (vLLM's detokenizer fails past them)
 MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+IDS = [1, 37, 101, 7, 250, 19, 64, 300, 12, 5]
 
 
 def base_snapshot(out: Path) -> Path:
@@ -38,6 +40,48 @@ def base_snapshot(out: Path) -> Path:
     path = session.export(build_model_source(make_tiny_llama(seed=0, **MODEL), cfg, demo_tokenizer()), 0).path
     session.close()
     return path
+
+
+def transformers_logprobs(snapshot, ids: List[int]):
+    """transformers' prompt logprobs of ``ids`` on a snapshot's files (a list of snapshots: one list each), in the hf
+    environment (``$PFC_HF_PYTHON``)."""
+    what = json.dumps([str(p) for p in snapshot]) if isinstance(snapshot, (list, tuple)) else str(snapshot)
+    out = subprocess.run([os.environ["PFC_HF_PYTHON"], str(ROOT / "tests" / "hf_client" / "prompt_logprobs.py"),
+                          what, json.dumps(ids)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def close(a, b, tol=1e-4) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= tol
+
+
+class Client:
+    """Requests to every engine, back to back from one thread per engine, for as long as training runs:
+    (url, start, end, error or None) each; ``model``: the name requests give (default: each engine's base)."""
+
+    def __init__(self, servers, model=None):
+        self.servers, self.done, self.stop, self.model = servers, [], threading.Event(), model
+        self.threads = [threading.Thread(target=self._run, args=(s,), daemon=True) for s in servers]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, server):
+        while not self.stop.is_set():
+            t0, err = time.time(), None
+            try:
+                server.call("POST", "/v1/completions", {"model": self.model or str(server.model_dir), "prompt": IDS,
+                                                        "max_tokens": 16, "temperature": 0, "ignore_eos": True},
+                            timeout=120)
+            except Exception as e:  # any failure is what the test counts
+                err = f"{type(e).__name__}: {e}"
+            self.done.append((server.url, t0, time.time(), err))
+
+    def finish(self):
+        self.stop.set()
+        for t in self.threads:
+            t.join(180)
+        return self.done
 
 
 def vllm_python() -> str:
@@ -57,10 +101,13 @@ def free_port() -> int:
 
 class VLLMServer:
     """``python -m vllm.entrypoints.openai.api_server --model DIR`` in dev mode, float32, on a free port; the
-    time from its start to its first answer on ``/health`` is ``started_s`` (what a restart costs)."""
+    time from its start to its first answer on ``/health`` is ``started_s`` (what a restart costs). ``lora_rank``:
+    LoRA enabled (``--enable-lora --max-lora-rank R --max-loras N``); ``runtime_lora``: its load and unload
+    endpoints on (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; by default with LoRA)."""
 
     def __init__(self, model_dir: Path, log: Path, api_key: Optional[str] = None, max_model_len: int = 128,
-                 tokenizer: bool = True):
+                 tokenizer: bool = True, lora_rank: Optional[int] = None, max_loras: int = 4,
+                 runtime_lora: Optional[bool] = None):
         self.model_dir, self.log, self.api_key = Path(model_dir), Path(log), api_key
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -73,6 +120,10 @@ class VLLMServer:
                 "--distributed-executor-backend", "uni"]
         if api_key:
             argv += ["--api-key", api_key]
+        if lora_rank:  # LoRA adapters loaded at run time, as docs/serving.md starts vLLM for serve.adapter
+            argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)]
+        if runtime_lora or (runtime_lora is None and lora_rank):
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if not tokenizer:  # a model whose vocabulary is larger than the tokenizer's (token ids in, token ids out)
             argv += ["--skip-tokenizer-init"]
         self.t0, self.started_s = time.perf_counter(), None
@@ -109,30 +160,48 @@ class VLLMServer:
             pass
         self.proc.wait()
 
-    def call(self, method: str, path: str, body=None, timeout: float = 120):
+    def call(self, method: str, path: str, body=None, timeout: float = 120, raw: bool = False):
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            answer = r.read()
+        return answer.decode() if raw else json.loads(answer)
 
     def version(self) -> str:
         return self.call("GET", "/weight_info")["weight_version"]
 
-    def prompt_logprobs(self, ids: List[int]) -> List[float]:
-        """log p(ids[i] | ids[:i]) for i >= 1, as the engine computes them (float32)."""
-        out = self.call("POST", "/v1/completions", {"model": str(self.model_dir), "prompt": ids, "max_tokens": 1,
-                                                    "temperature": 0, "prompt_logprobs": 0})
+    def adapters(self) -> dict:
+        """{adapter name: the directory it was loaded from}, as ``/v1/models`` lists them."""
+        return {c["id"]: c["root"] for c in self.call("GET", "/v1/models")["data"] if c.get("parent")}
+
+    def on_base(self) -> "VLLMServer":
+        """Back on the weights it started with, named ``default``, no adapter loaded (a test's clean start)."""
+        for name in self.adapters():
+            self.call("POST", "/v1/unload_lora_adapter", {"lora_name": name}, raw=True)
+        self.call("POST", "/collective_rpc", {"method": "reload_weights",
+                                              "kwargs": {"weights_path": str(self.model_dir)}})
+        self.call("POST", "/update_weight_version", {"new_version": "default"})
+        return self
+
+    def prompt_logprobs(self, ids: List[int], model: Optional[str] = None) -> List[float]:
+        """log p(ids[i] | ids[:i]) for i >= 1, as the engine computes them (float32), on its base model or on the
+        adapter ``model``."""
+        out = self.call("POST", "/v1/completions", {"model": model or str(self.model_dir), "prompt": ids,
+                                                    "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})
         rows = out["choices"][0]["prompt_logprobs"][1:]
         return [row[str(i)]["logprob"] for row, i in zip(rows, ids[1:])]
 
 
-def start_servers(model_dir: Path, logs: Path, n: int, api_key: Optional[str] = None) -> List[VLLMServer]:
-    """``n`` servers of ``model_dir``, started together and waited for together."""
+def start_servers(model_dir: Path, logs: Path, n: int, api_key: Optional[str] = None,
+                  options: Optional[List[dict]] = None) -> List[VLLMServer]:
+    """``n`` servers of ``model_dir``, started together and waited for together (``options``: each one's further
+    :class:`VLLMServer` arguments, e.g. ``lora_rank``)."""
     logs.mkdir(parents=True, exist_ok=True)
-    servers = [VLLMServer(model_dir, logs / f"vllm-{i}.log", api_key) for i in range(n)]
+    options = options or [{}] * n
+    servers = [VLLMServer(model_dir, logs / f"vllm-{i}.log", api_key, **options[i]) for i in range(n)]
     try:
         for s in servers:
             s.wait_ready()

@@ -2,13 +2,16 @@
 environment) and one real vLLM server (its CPU build, started once for the module): a trained tiny model's snapshots
 scored on the bundled task pair (multiple choice and generation) on the engine that serves them while training goes
 on, then on transformers by ``paddle-fullparam evaluate``, with the same metrics, log-likelihoods and generations;
-``best`` following an lm-eval metric; an engine that moved to a newer snapshot during a run (discarded, never the
-snapshot's score); an engine that went down mid-evaluation; the start refused before step 1 for a missing task
-and a missing data file; the harness's built-in tasks found only when asked for."""
+``best`` following an lm-eval metric; with training faster than scoring, the engine held on each snapshot until its
+evaluation is over (every snapshot it serves scored as transformers scores it, no training step delayed); without
+the hold, an engine that moved to a newer snapshot during a run (discarded, never the snapshot's score); an engine
+that went down mid-evaluation; the start refused before step 1 for a missing task and a missing data file; the
+harness's built-in tasks found only when asked for."""
 from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from paddle_fullparam_callbacks.config.consumers import LmEvalConfig
 from paddle_fullparam_callbacks.config.schema import ConfigError
 from paddle_fullparam_callbacks.consumers.evaluate import check_lm_eval
 from paddle_fullparam_callbacks.consumers.evaluate.lmeval.spec import RESULTS, bundled_tasks
+from paddle_fullparam_callbacks.consumers.serve import records as serve_records
 from paddle_fullparam_callbacks.export.commit import evaluation as records
 
 from _engine import Proxy
@@ -132,11 +136,40 @@ def test_snapshots_scored_on_the_engine_that_serves_them_and_on_transformers_agr
     assert (snaps / "best").read_text().strip() == best and f"best -> {best}" in out.stdout
 
 
+def test_with_the_hold_every_snapshot_the_engine_serves_is_scored_as_transformers_scores_it(server, key, hf_python,
+                                                                                            tmp_path):
+    """Training faster than scoring (8 steps in seconds, an evaluation in many): the engine stays on each snapshot
+    until its evaluation is over, the swaps that queued meanwhile go newest first, and no step waits for either."""
+    stepped = {}
+    at = {s: (lambda s=s: stepped.setdefault(s, time.time())) for s in range(1, 9)}
+    cb = train(tmp_path, hf_python, [f"serve.url=[{server.url}]", f"serve.api_key_env={KEY_ENV}",
+                                     "evaluate.lm_eval.backend=engine", "evaluate.lm_eval.engine_wait_s=600"],
+               steps=8, at=at)
+    snaps = tmp_path / "snaps"
+    served = {j.name for j in cb.serving.results if j.record["status"] == "ok"}
+    skipped = {j.name for j in cb.serving.results if j.record["status"] == "skipped"}
+    assert served == {name(2), name(8)} and skipped == {name(4), name(6)} and server.version() == name(8)
+    by = {ev.name: ev for ev in cb.evaluation.results}
+    assert {n: by[n].status for n in by} == {name(2): "ok", name(4): "discarded", name(6): "discarded", name(8): "ok"}
+    assert "serving skipped it" in by[name(4)].record["error"]
+    # the swap to step 8 waited for the evaluation of step 2; every training step was over long before that
+    eval_2 = records.read_record(snaps / name(2))
+    swap_8 = serve_records.read(snaps / name(8), server.url)
+    assert swap_8["started_unix"] >= eval_2["finished_unix"] > stepped[8]
+    scores = {n: {k: v for k, v in by[n].scores.items() if k.startswith("lm_eval.")} for n in served}
+    out = run_cli("evaluate", str(snaps), "--all", f"evaluate.python={hf_python}", TASKS, "evaluate.nice=0")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for n in served:  # every snapshot the engine served has transformers' score
+        hf = records.read_record(snaps / n)
+        assert hf["result"]["backend"] == "hf" and {k: v for k, v in hf["scores"].items()
+                                                    if k.startswith("lm_eval.")} == scores[n]
+
+
 def test_an_engine_that_moves_to_a_newer_snapshot_during_the_run_gives_no_score(server, key, hf_python, tmp_path):
     proxy = Proxy(server.url)  # holds the evaluator's first request until snapshot 4 is served
     arrived = proxy.hang(lambda m, p, b: p.startswith("/v1/completions"))
-    try:
-        cb = train(tmp_path, hf_python, engine_overrides(proxy.url),
+    try:  # engine_hold=false: today's freshness first, the swap does not wait for the evaluation
+        cb = train(tmp_path, hf_python, [*engine_overrides(proxy.url), "evaluate.lm_eval.engine_hold=false"],
                    at={3: lambda: arrived.wait(400) or pytest.fail("no request of the evaluation of step 2 arrived"),
                        4: proxy.release})  # step 4's export returned: the engine serves hf-step-000004
     finally:

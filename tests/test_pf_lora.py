@@ -28,7 +28,7 @@ pytestmark = pytest.mark.paddleformers
 
 import paddle  # noqa: E402
 
-from _helpers import ROOT, snapshot_tensors  # noqa: E402
+from _helpers import ROOT, run_cli, snapshot_tensors  # noqa: E402
 from _lora_cases import (  # noqa: E402
     ADAPTER, assert_hf_report, assert_same_snapshots, export, hf_case, logits, run_checks, set_nonzero_lora,
 )
@@ -199,6 +199,18 @@ def test_flex_checkpoint_converts_to_the_callbacks_snapshot(cases, tmp_path):
     with pytest.raises(CheckpointError, match="no lora_config.json, and the run's lora_alpha and rslora"):
         convert(ckpt, tmp_path / "none", model_config=root / "model_config.json")
     assert not (tmp_path / "none").exists()
+
+
+def test_the_base_an_engine_serving_adapters_starts_on_converts_from_the_flex_checkpoint(cases, tmp_path):
+    """``convert --as-base`` (docs/serving.md: the base the engine starts on): the LoRA run's checkpoint gives its base
+    weights without the update, the callback's ``export.lora=base`` snapshot bit for bit, and no adapter."""
+    root = cases["train"]["snapshot"].parents[1]
+    out = run_cli("convert", str(root / "trainer" / "checkpoint-2"), "--output-dir", str(tmp_path / "base"),
+                  "--as-base", "--config", str(root / "model_config.json"), "--lora-config", str(root / "lora"))
+    assert out.returncode == 0, out.stderr
+    path = tmp_path / "base" / "hf-step-000002"
+    assert f"the base for serve.adapter: start the engine on {path}" in out.stdout and verify_snapshot(path).ok
+    assert_same_snapshots(path, cases["train"]["base"], adapter=False) and not (path / ADAPTER).exists()
 
 
 def test_refusals_name_the_cause(cases, tmp_path):

@@ -226,12 +226,14 @@ def _cmd_convert(ns) -> int:
     try:
         info = convert(ns.checkpoint, ns.output_dir, config=ns.recipe, overrides=ns.overrides,
                        model_config=ns.config, step=ns.step, workers=ns.workers, base=ns.base,
-                       lora_config=ns.lora_config)
+                       lora_config=ns.lora_config, as_base=ns.as_base)
     except (CheckpointError, MappingError, ExportError) as e:
         print(f"paddle-fullparam convert: {e}", file=sys.stderr)
         return 1
     print(f"{info.path}  step {info.step}  {info.num_tensors} tensors  {info.files} file(s)  {info.bytes / 1e6:.1f} MB  "
           f"{info.seconds:.1f} s")
+    if ns.as_base:
+        print(f"the base for serve.adapter: start the engine on {info.path} (docs/serving.md)")
     return 0
 
 
@@ -284,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--lora-config", metavar="LORA_CONFIG",
                    help="a LoRA run's lora_config.json (or its directory) when the checkpoint holds none (PaddleFormers' "
                         "flex checkpoints): lora_alpha and rslora give the merge's scaling")
+    c.add_argument("--as-base", action="store_true",
+                   help="write the base model a serving engine starts on for a LoRA run served as adapters "
+                        "(serve.adapter): a LoRA checkpoint's base weights without their update, a model saved in "
+                        "Paddle's format (e.g. PaddleNLP's save_pretrained) as it is; step 0 unless one is recorded")
     c.add_argument("--recipe", help="a bundled recipe name or YAML path for the export settings (default: the defaults)")
     c.add_argument("--step", type=_count(0), help="the step to record when the checkpoint does not say (trainer_state)")
     c.add_argument("--workers", type=_count(1), default=1,

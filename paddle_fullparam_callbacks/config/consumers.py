@@ -41,6 +41,11 @@ class LmEvalConfig:
     engine_wait_s: float = 300.0
     """backend=engine: how long an evaluation waits for the engine to serve its snapshot (serving runs beside it)
     before it gives up and records the result as discarded."""
+    engine_hold: bool = True
+    """backend=engine: the engine stays on a snapshot until its evaluation is over (the next swap waits; when it
+    goes, the newest snapshot waiting is served and the others are recorded as skipped), so every snapshot the
+    engine serves is scored; false: swaps never wait for evaluations (an evaluation whose snapshot was replaced
+    meanwhile is discarded). Training never waits for it."""
     log_samples: bool = False
     """Keep every request and answer (lm-eval's samples) in the raw results file beside the record."""
 
@@ -188,6 +193,21 @@ class ServeConfig:
     names and shapes), read from the engine's model directory where it can be read here."""
     wait_at_end_s: float = 600.0
     """At the end of training, wait this long for the last snapshot to be served."""
+    adapter: bool = False
+    """A LoRA run: load each snapshot's PEFT adapter into the engines (vLLM's /v1/load_lora_adapter, in
+    milliseconds) instead of reloading its weights; the engines keep their base weights and are never paused.
+    Turns on export.peft_adapter. Checked at start: a LoRA run, engines with LoRA and runtime loading on, the
+    run's base on the engines, an adapter they accept."""
+    adapter_name: str = "latest"
+    """serve.adapter: the stable name clients request (their ``model``), loaded in place with each snapshot's
+    adapter."""
+    keep_adapters: int = 0
+    """serve.adapter: also load each snapshot's adapter under the snapshot's own name (hf-step-000008) and keep
+    the last N of them (older ones unloaded), for A/B between steps; 0: only serve.adapter_name."""
+    base_tolerance: float = 0.05
+    """serve.adapter: at start, the largest mean |difference| (nats) between an engine's prompt log-probabilities
+    on its base model and the run's own forward of its base (LoRA off) before the engine's base counts as another
+    model. float32 on both sides agrees to 1e-6; another model differs by tenths to nats."""
 
     @property
     def enabled(self) -> bool:

@@ -38,7 +38,8 @@ def lm_eval_problem(s) -> Problem:
 
     >>> from types import SimpleNamespace as NS
     >>> lm_eval_problem(NS(tasks=["a", "a"], include_path=None, builtin_tasks=False, num_fewshot=None, limit=None,
-    ...                    batch_size=1, backend="hf", engine_url=None, engine_wait_s=300.0, log_samples=False))
+    ...                    batch_size=1, backend="hf", engine_url=None, engine_wait_s=300.0, log_samples=False,
+    ...                    engine_hold=True))
     ('evaluate.lm_eval.tasks', "names 'a' twice; got ['a', 'a']")
     """
     tasks = s.tasks
@@ -62,7 +63,7 @@ def lm_eval_problem(s) -> Problem:
         if not isinstance(s.include_path, str) or not s.include_path.strip():
             return "evaluate.lm_eval.include_path", f"must be a folder of task files (or null: the bundled ones); got {s.include_path!r}"
         s.include_path = os.path.abspath(os.path.expanduser(s.include_path))  # the evaluator runs elsewhere
-    for key in ("builtin_tasks", "log_samples"):
+    for key in ("builtin_tasks", "log_samples", "engine_hold"):
         if not isinstance(getattr(s, key), bool):
             return f"evaluate.lm_eval.{key}", f"must be true or false; got {getattr(s, key)!r}"
     if s.num_fewshot is not None:

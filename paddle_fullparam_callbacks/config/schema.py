@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .. import _dtypes
-from ..plan.naming import validate_template
+from ..plan.naming import snapshot_step_pattern, validate_template
 from ..plan.quantization import DEFAULT_BLOCK, METHODS as QUANTIZATION_METHODS, check_block
 from .consumers import EvaluateConfig, PublishConfig, ServeConfig
 from .errors import ConfigError, check_choice as _check_choice
@@ -339,6 +339,8 @@ class FullParamConfig:
         serve, timeout = self.serve, self.export.timeout_s
         if serve.enabled and self.export.format == "callable":
             raise ConfigError("serve.url", "export.format=callable writes no snapshot to serve")
+        if serve.adapter:
+            self._check_adapter_mode()
         bound = swap_bound_s(serve.timeout_s, serve.reload_timeout_s) + VERIFY_ALLOWANCE_S
         if serve.enabled and serve.wait and timeout is not None and bound > timeout:
             raise ConfigError("serve.wait", f"waits up to {bound:g} s for a swap (2 x (serve.reload_timeout_s + "
@@ -346,6 +348,20 @@ class FullParamConfig:
                                             f"verify the snapshot), more than export.timeout_s={timeout:g}, after "
                                             "which the other ranks' watchdog stops a job that waits: raise "
                                             "export.timeout_s or lower serve.reload_timeout_s")
+
+    def _check_adapter_mode(self) -> None:
+        """``serve.adapter``: engines load each snapshot's PEFT adapter, which this mode makes the export write."""
+        serve = self.serve
+        if not serve.enabled:
+            raise ConfigError("serve.adapter", "is true, but serve.url names no engine")
+        if self.export.format != "hf_safetensors":
+            raise ConfigError("serve.adapter", f"loads each snapshot's PEFT adapter, which holds Hugging Face names: "
+                                               f"it needs export.format=hf_safetensors, not {self.export.format!r}")
+        if snapshot_step_pattern(self.export.name_template).fullmatch(serve.adapter_name):
+            raise ConfigError("serve.adapter_name", f"{serve.adapter_name!r} reads as a snapshot's name "
+                                                    f"(export.name_template={self.export.name_template!r}), which "
+                                                    "serve.keep_adapters loads adapters under: choose another name")
+        self.export.peft_adapter = "inside"  # the adapter each snapshot's engines load
 
     def _check_evaluate(self) -> None:
         problem = lm_eval_against(self.evaluate, self.serve)

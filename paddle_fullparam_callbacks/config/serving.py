@@ -1,7 +1,7 @@
 """The rules of the ``serve:`` section (``schema.ServeConfig``): :func:`check_serve` finds None or the problem
 as ``(recipe key, message)``, raised as the schema's ``ConfigError`` when one is passed in (this module is
 below the schema). Pure: nothing here talks to an engine; the engines are proven at the start of training
-(``consumers/serve/probe.py``).
+(``consumers/serve/probe.py``, and ``consumers/serve/adapters/start.py`` for ``serve.adapter``).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ PATH_FIELDS = ("snapshot", "name", "step")
 """The fields of ``serve.path_template``: the snapshot's absolute path here, its name, its step."""
 _URL = re.compile(r"https?://[^/\s?#]+(/[^\s?#]*)?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def engine_urls(value: Any) -> List[str]:
@@ -81,11 +82,29 @@ def _serve_problem(s) -> Problem:
     if key is not None and (not isinstance(key, str) or not _ENV_NAME.fullmatch(key)):
         return "serve.api_key_env", (f"must name an environment variable (letters, digits, _; the key itself "
                                      f"never goes in a recipe); got {key!r}")
-    for name, low, strict in (("timeout_s", 0, True), ("reload_timeout_s", 0, True), ("wait_at_end_s", 0, False)):
+    for name, low, strict in (("timeout_s", 0, True), ("reload_timeout_s", 0, True), ("wait_at_end_s", 0, False),
+                              ("base_tolerance", 0, True)):
         problem = number_problem(f"serve.{name}", getattr(s, name), low, False, strict, None)
         if problem:
             return problem
-    return flags_problem("serve", s, ("wait", "check_model"))
+    return flags_problem("serve", s, ("wait", "check_model", "adapter")) or _adapter_problem(s)
+
+
+def _adapter_problem(s) -> Problem:
+    """``serve.adapter_name`` and ``serve.keep_adapters``, which only adapter mode reads."""
+    problem = number_problem("serve.keep_adapters", s.keep_adapters, 0, True, False, None)
+    if problem:
+        return problem[0], problem[1] + " (snapshots kept loaded under their own names)"
+    name = s.adapter_name
+    if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
+        return "serve.adapter_name", (f"must be one word of letters, digits, '.', '_' or '-' (the model name clients "
+                                      f"request); got {name!r}")
+    if not s.adapter:
+        for key, default in (("keep_adapters", 0), ("adapter_name", "latest")):
+            if getattr(s, key) != default:
+                return f"serve.{key}", "is set, but serve.adapter is false: set serve.adapter=true (a LoRA run's " \
+                                       "adapters loaded into the engines) or leave it unset"
+    return None
 
 
 VERIFY_ALLOWANCE_S = 300.0
@@ -109,3 +128,16 @@ def format_engine_path(template: str, snapshot: str, name: str, step: int) -> st
     '/models/hf-step-000008'
     """
     return template.format(snapshot=snapshot, name=name, step=step)
+
+
+ADAPTER_DIRECTORY = "adapter"
+"""Where a snapshot holds its PEFT adapter (``models/lora/adapter.DIRECTORY``; a test holds them equal)."""
+
+
+def format_adapter_path(template: str, snapshot: str, name: str, step: int) -> str:
+    """The snapshot's PEFT adapter directory as the engines see it (``serve.adapter``).
+
+    >>> format_adapter_path("/models/{name}", "/data/run/hf-step-000008", "hf-step-000008", 8)
+    '/models/hf-step-000008/adapter'
+    """
+    return f"{format_engine_path(template, snapshot, name, step).rstrip('/')}/{ADAPTER_DIRECTORY}"

@@ -43,6 +43,18 @@ from ..export.write.fsync import write_json_durable
 from .runner import KILL_GRACE_S, STATUS, is_alive
 
 RUNNER = Path(__file__).resolve().with_name("runner.py")
+
+
+class LandingQueue(queue.Queue):
+    """A done queue that tells ``landed(job)`` of every job put in it (after it is in)."""
+
+    def __init__(self, landed: Callable[["Job"], None]):
+        super().__init__()
+        self._landed = landed
+
+    def put(self, item, block=True, timeout=None):
+        super().put(item, block, timeout)
+        self._landed(item)
 RUNNING, FAILED = "running", "failed"  # the same words in every consumer's record
 BACKSTOP_S = 60.0  # beyond the job's timeout_s: the hook stops a runner that did not stop itself
 STOP_WAIT_S = 15.0  # at the end: how long stopped jobs get to record themselves as unfinished
@@ -223,6 +235,11 @@ class ConsumerHook:
             self._signal(job, signal.SIGKILL)
 
     # ---- the workers -------------------------------------------------------------------------
+    def _blocked(self) -> bool:
+        """(The lock held, the line not empty) whether the next job must wait for now (a consumer's own reason;
+        whoever lifts it notifies the lock's condition). Never at the end of training."""
+        return False
+
     def _take(self) -> Optional[Job]:
         """(The lock held, the line not empty) the next job: the oldest."""
         return self._line.pop(0)
@@ -244,7 +261,7 @@ class ConsumerHook:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._line and not self._closing.is_set():
+                while (not self._line or self._blocked()) and not self._closing.is_set():
                     self._cond.wait()
                 job = self._take() if self._line else None
                 if job is None:

@@ -159,12 +159,14 @@ class Conversion:
 
 def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
             model_config: "str | os.PathLike | dict | None" = None, step: Optional[int] = None,
-            base: "str | os.PathLike | None" = None, lora_config: "str | os.PathLike | dict | None" = None) -> Conversion:
+            base: "str | os.PathLike | None" = None, lora_config: "str | os.PathLike | dict | None" = None,
+            default_step: Optional[int] = None) -> Conversion:
     """Index and check the checkpoint, build its model lazily, and resolve the mapping: every check that
     does not need the output directory. Raises :class:`CheckpointError` / ``ConfigError`` / ``MappingError``.
 
     A LoRA run's checkpoint (``lora.py``): ``base``, the base model of a checkpoint that holds LoRA tensors
-    only (PaddleNLP); ``lora_config``, the run's ``lora_config.json`` where the checkpoint has none."""
+    only (PaddleNLP); ``lora_config``, the run's ``lora_config.json`` where the checkpoint has none.
+    ``default_step``: the step when neither ``step`` nor the checkpoint gives one (a saved model: 0)."""
     from ..models.model_info import build_model_source
     from . import lora
 
@@ -218,6 +220,7 @@ def prepare(checkpoint_dir: "str | os.PathLike", config: FullParamConfig,
     if layers:
         lora.attach(source, config, holder, layers, lora.load_settings(path, lora_config), framework, CheckpointTensors)
     step = (lora_ckpt or ckpt).step if step is None else step
+    step = default_step if step is None else step
     if step is None or step < 0:
         raise ConvertError(f"{path}: no step recorded (trainer_state, checkpoint-N name): give one with --step")
     return Conversion(ckpt, model, source, int(step), lora_ckpt, (key, fresh) if fresh is not None else None)

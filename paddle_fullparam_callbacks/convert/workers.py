@@ -68,12 +68,12 @@ def _worker(rank: int, world: int, conns, checkpoint_dir: str, output_dir: str, 
 
 
 def convert_in_workers(checkpoint_dir, output_dir: Path, config, model_config, step, workers: int,
-                       lora=None) -> SnapshotInfo:
+                       lora=None, default_step=None) -> SnapshotInfo:
     """Run the conversion in ``workers`` processes; returns worker 0's SnapshotInfo, or raises the first error.
 
     Everything that can be checked without the output directory is checked here first, in this
-    process (a bad checkpoint fails once, not N times)."""
-    prepare(checkpoint_dir, config, model_config, step, **(lora or {}))
+    process (a bad checkpoint fails once, not N times); the step it finds is the workers'."""
+    step = prepare(checkpoint_dir, config, model_config, step, **(lora or {}), default_step=default_step).step
     if config.export.threads == "auto":  # the workers divide the cores between them, as a node's ranks do
         config = load_config(None, [f"export.threads={max(1, usable_cores() // workers)}"], base=config)
     spawn = mp.get_context("spawn")  # Paddle is not fork-safe once initialised

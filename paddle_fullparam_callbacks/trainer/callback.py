@@ -29,7 +29,7 @@ from ..models.model_info import build_model_source, unwrap_model
 from ..plan.decisions import Decision, decide
 from .evaluation import TrainerEvaluations
 from .publishing import TrainerPublishing
-from .serving import TrainerServing
+from .serving import TrainerServing, adapter_source, engine_holds
 from .paths import check_trainer_paths
 from .topology import build_context, expert_axes_of
 
@@ -71,9 +71,10 @@ class FullParamExportCallback:
         self._last_time: Optional[float] = None
         self._last_step: Optional[int] = None
         self._source = None
-        self.evaluation = TrainerEvaluations(self.config)  # the evaluation hook's results: .results
+        holds = engine_holds(self.config)  # evaluate.lm_eval.engine_hold: evaluations that hold the engine's swaps
+        self.evaluation = TrainerEvaluations(self.config, holds)  # the evaluation hook's results: .results
         self.publishing = TrainerPublishing(self.config)  # the publisher's results: .results
-        self.serving = TrainerServing(self.config)  # the engines' swaps: .results
+        self.serving = TrainerServing(self.config, holds)  # the engines' swaps: .results
         self._consumers = (self.evaluation, self.publishing, self.serving)  # in the order they hang on commits
 
     @classmethod
@@ -116,9 +117,11 @@ class FullParamExportCallback:
         shared = [("checkpoint_hook.enabled", Path(trainer_dir))] if self.config.checkpoint_hook.enabled and trainer_dir else []
         session.start(resume=bool(getattr(state, "global_step", 0)), shared=shared)
         try:
-            self._source = build_model_source(model, self.config, tokenizer, warn_no_tokenizer=warn)
+            self._source = adapter_source(lambda: build_model_source(model, self.config, tokenizer,
+                                                                     warn_no_tokenizer=warn), self.config)
             prepared = session.prepare(self._source)
-            self.serving.check(ctx, self._source, prepared)  # every engine proven, against the plan's tensors
+            # every engine proven, against the plan's tensors (a LoRA run served as adapters: against its adapter)
+            self.serving.check(ctx, self._source, prepared, model=model, session=session)
         except BaseException:  # refused at start: the directory is released (and removed, if it made it)
             session.close()
             raise

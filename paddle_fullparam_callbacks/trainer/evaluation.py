@@ -28,8 +28,9 @@ class TrainerEvaluations(TrainerConsumer):
 
     KEY, JOBS = "evaluate", "evaluation(s)"
 
-    def __init__(self, config: FullParamConfig):
+    def __init__(self, config: FullParamConfig, holds=None):
         super().__init__(config)
+        self.holds = holds  # evaluate.lm_eval.engine_hold (trainer/serving.engine_holds)
         self.hook: Optional[EvaluationHook] = None
         self.python: Optional[List[str]] = None
 
@@ -56,7 +57,7 @@ class TrainerEvaluations(TrainerConsumer):
         if not self.enabled or not session.ctx.is_coordinator or self.python is None:
             return
         hook = EvaluationHook(self.config.evaluate, self.python, run_id=session.run_id,
-                              api_key_env=self.config.serve.api_key_env)
+                              api_key_env=self.config.serve.api_key_env, holds=self.holds, serve=self.config.serve)
 
         def evaluation(job) -> None:
             path = Path(job.out_dir) / job.name

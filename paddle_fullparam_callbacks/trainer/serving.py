@@ -22,6 +22,13 @@ from ..consumers.serve.engines.base import UNKNOWN
 from ..consumers.serve.hook import ServeHook, Serving
 from ..consumers.serve.probe import ServeStartFailed, initial_states, prove_engines
 from ..consumers.serve.recovery import recover
+from ..consumers.holds import Holds
+from ..consumers.serve import adapters
+from ..consumers.serve.adapter_start import CONFIG_FILE, RunAdapter
+from ..export.session.companions import companion_layout
+from ..models.lora import LoraError
+from ..models.lora.serving import adapter_mode_problem, base_logprobs, probe_ids
+from ..models.model_info import unwrap_model
 from .consumers import TrainerConsumer, log_row, snapshot_label
 
 logger = logging.getLogger("paddle_fullparam_callbacks")
@@ -35,34 +42,101 @@ def planned_model(source, prepared) -> tuple:
     return arch, {name: tuple(slot.shape) for name, slot in prepared.plan.slots.items()}
 
 
+def engine_holds(config: FullParamConfig) -> Optional[Holds]:
+    """The holds that make swaps wait for the engine backend's evaluations (``evaluate.lm_eval.engine_hold``), or
+    None (no such evaluations, or the hold is off)."""
+    lm = config.evaluate.lm_eval
+    return Holds() if config.serve.enabled and lm.enabled and lm.backend == "engine" and lm.engine_hold else None
+
+
+def adapter_source(build, config: FullParamConfig):
+    """``build()`` (the model's export source); with ``serve.adapter``, an adapter the export cannot write (a layout
+    or a variant peft cannot describe) is refused naming that key, the mode that asked for the adapter."""
+    try:
+        return build()
+    except LoraError as e:
+        if not config.serve.adapter:
+            raise
+        why = str(e).removesuffix("; set export.peft_adapter=none")
+        raise ConfigError("serve.adapter", f"its adapter cannot be written as a PEFT adapter: {why}; such a run cannot "
+                                           "be served as adapters: serve.adapter=false reloads each snapshot's merged "
+                                           "weights instead") from e
+
+
+def adapter_run(ctx, source, prepared, model) -> tuple:
+    """``serve.adapter``, on every rank: (a failure to share, or None; the run's adapter on the coordinator).
+    What each rank's model allows (``models/lora/serving.py``), the adapter's tensors and config as its export will
+    write them (one exchange in the coordinator's mesh), and, where this process holds the whole model, the run's
+    base log-probabilities."""
+    problem = adapter_mode_problem(unwrap_model(model), alone=ctx.is_coordinator) if model is not None else \
+        "no model was given to the callback"
+    if problem:
+        return ("config", "serve.adapter", problem), None
+    companion = next((c for c in (source.companions if source else []) if c.directory == adapters.DIRECTORY), None)
+    if companion is None:
+        return ("config", "serve.adapter", "the export writes no PEFT adapter for this model"), None
+    try:
+        layout = companion_layout(ctx, prepared, companion)
+    except LoraError as e:
+        return ("config", "serve.adapter", f"its adapter cannot be written as a PEFT adapter: {e}"), None
+    if not ctx.is_coordinator or layout is None:
+        return None, None
+    dmap, files = layout
+    config = files[CONFIG_FILE]
+    run = RunAdapter(int(config["r"]), {t.name: (tuple(t.shape), t.dtype) for t in dmap.specs}, config)
+    if ctx.mesh.size == 1:  # the whole model is in this process: its base forward needs no other rank
+        vocab = int((source.hf_config or {}).get("vocab_size") or 256)
+        run.ids = probe_ids(source.tokenizer, vocab)
+        try:
+            run.logprobs = base_logprobs(unwrap_model(model), run.ids)
+        except Exception as e:  # e.g. out of memory: the base is still checked by its names and shapes
+            logger.warning("serve.adapter: the run's base forward for the engines' base check failed (%s: %s); the "
+                           "engines' base is checked by its names and shapes only", type(e).__name__, e)
+    else:
+        logger.info("serve.adapter: the model is split over %d ranks here, so the engines' base is checked by its "
+                    "names and shapes only (not by its log-probabilities)", ctx.mesh.size)
+    return None, run
+
+
 class TrainerServing(TrainerConsumer):
     """What the callback keeps of serving: the hook (coordinator), every finished swap, the start's probes."""
 
     KEY, JOBS = "serve", "swap(s)"
 
-    def __init__(self, config: FullParamConfig):
+    def __init__(self, config: FullParamConfig, holds: Optional[Holds] = None):
         super().__init__(config)
+        self.holds = holds
         self.hook: Optional[ServeHook] = None
         self.probes: Dict = {}
         self._failing: Set[str] = set()  # engines whose failure was logged, until they serve again
 
-    def check(self, ctx, source, prepared) -> None:
-        """Every rank, once the plan is made (before step 1): the coordinator proves every engine; one exchange
-        shares a failure, raised on every rank (ConfigError for a recipe key, else ServeStartFailed)."""
+    def check(self, ctx, source, prepared, model=None, session=None) -> None:
+        """Every rank, once the plan is made (before step 1): the coordinator proves every engine (``serve.adapter``:
+        first every rank's model, then the run's adapter on every engine); one exchange shares a failure, raised on
+        every rank (ServeStartFailed for what an engine lacks, else ConfigError; each names its recipe key)."""
         if not self.enabled:
             return
-        failure = None
-        if ctx.is_coordinator:
+        failure, run = None, None
+        if self.section.adapter:
+            failure, run = adapter_run(ctx, source, prepared, model)
+        if ctx.is_coordinator and failure is None:
             try:
-                self.probes = prove_engines(self.section, planned_model(source, prepared))
+                if not self.section.adapter and source is not None and source.notes.get("lora"):
+                    logger.info("serve: a LoRA run, served by reloading each snapshot's weights into the engines; "
+                                "serve.adapter=true loads only its adapter, in milliseconds, into engines started "
+                                "with LoRA (docs/serving.md)")
+                self.probes = prove_engines(self.section, planned_model(source, prepared), adapter=run,
+                                            output_dir=session.output_dir if session else None,
+                                            run_id=session.run_id if session else "start")
+            except ServeStartFailed as e:
+                failure = ("engine", e.key, str(e)[len(e.key) + 2:])
             except ConfigError as e:
                 failure = ("config", e.key, str(e)[len(e.key) + 2:])
-            except ServeStartFailed as e:
-                failure = ("engine", None, str(e))
-        failure = ctx.all_gather_object(failure, what="serve probe")[ctx.coordinator]
+        failures = ctx.all_gather_object(failure, what="serve probe")
+        failure = failures[ctx.coordinator] or next((f for f in failures if f), None)
         if failure:
             kind, key, message = failure
-            raise ConfigError(key, message) if kind == "config" else ServeStartFailed(message)
+            raise ServeStartFailed(key, message) if kind == "engine" else ConfigError(key, message)
 
     def start(self, session) -> None:
         """Coordinator: the hook on the session's commits (beside the other consumers'), what earlier jobs'
@@ -70,7 +144,7 @@ class TrainerServing(TrainerConsumer):
         if not self.enabled or not session.ctx.is_coordinator:
             return
         cfg = self.section
-        hook = ServeHook(cfg, initial_states(cfg, self.probes, session.output_dir), session.run_id)
+        hook = ServeHook(cfg, initial_states(cfg, self.probes, session.output_dir), session.run_id, holds=self.holds)
 
         def swap(job) -> None:
             hook.committed(snapshot_label(job), Path(job.out_dir) / job.name, job.step, in_output_dir=job.pointers)
@@ -122,9 +196,9 @@ class TrainerServing(TrainerConsumer):
             return
         ok = [u for u, e in entries.items() if e["status"] == records.OK]
         if ok:
-            logger.info("served %s on %s", job.name, "; ".join(f"{u} (reload {entries[u].get('reload_s', 0):.2f} s, "
-                                                              f"served {entries[u].get('served_s', 0):.2f} s after "
-                                                              "the commit)" for u in ok))
+            logger.info("served %s on %s", job.name, "; ".join(f"{u} ({_how(entries[u])} "
+                                                              f"{entries[u].get('served_s', 0):.2f} s after the commit)"
+                                                              for u in ok))
         for url in ok:
             if url in self._failing:
                 self._failing.discard(url)
@@ -143,6 +217,13 @@ class TrainerServing(TrainerConsumer):
         if ok:
             row["fullparam/serve/served_s"] = max(entries[u].get("served_s", 0.0) for u in ok)
         log_row(row, state, trainer)
+
+
+def _how(entry: dict) -> str:
+    """What a served entry did: the reload of the weights, or the adapter's load under its names."""
+    if entry.get("mode") == "adapter":
+        return f"adapter as {', '.join(entry.get('loaded') or [])}, load {entry.get('load_s', 0):.3f} s, served"
+    return f"reload {entry.get('reload_s', 0):.2f} s, served"
 
 
 def describe(job: Serving) -> str:

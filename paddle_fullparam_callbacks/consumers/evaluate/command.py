@@ -74,9 +74,10 @@ def _executable(word: str) -> Optional[str]:
 
 
 def build_argv(cfg: EvaluateConfig, python: List[str], snapshot: Path, step: int, output: Path, name: str = "",
-               api_key_env: Optional[str] = None) -> List[str]:
+               api_key_env: Optional[str] = None, adapter: Optional[dict] = None) -> List[str]:
     """The evaluator's argv for one snapshot (``name``: the snapshot's, the weight version an engine serving it
-    reports; ``api_key_env``: ``serve.api_key_env``, for ``evaluate.lm_eval``'s engine backend).
+    reports; ``api_key_env``: ``serve.api_key_env``, and ``adapter``: ``{"name", "root"}`` of a LoRA run served as
+    adapters, for ``evaluate.lm_eval``'s engine backend).
 
     >>> build_argv(EvaluateConfig(command="{python} -m ev {snapshot} --step {step} -o {output}"),
     ...            ["/py", "-X", "utf8"], Path("/s/hf step"), 10, Path("/s/o.json"))
@@ -84,7 +85,7 @@ def build_argv(cfg: EvaluateConfig, python: List[str], snapshot: Path, step: int
     """
     values = {"snapshot": str(snapshot), "step": str(int(step)), "output": str(output)}
     if cfg.lm_eval.enabled:
-        return lmeval.build_argv(cfg.lm_eval, python, snapshot, output, name or snapshot.name, api_key_env)
+        return lmeval.build_argv(cfg.lm_eval, python, snapshot, output, name or snapshot.name, api_key_env, adapter)
     if cfg.callable:
         return [*python, "-c", CALL_BOOTSTRAP, cfg.callable, values["snapshot"], values["step"], values["output"]]
     out: List[str] = []

@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import List, Optional
 
 from ...config.schema import EvaluateConfig
+from ...config.serving import format_adapter_path
 from ...export.commit import evaluation as records
 from ...export.commit.ownership import delete_marked, is_marked, mark, snapshot_identity
-from ..hook import BACKSTOP_S, ConsumerHook, Job, not_recordable
+from ..holds import Holds
+from ..hook import BACKSTOP_S, ConsumerHook, Job, LandingQueue, not_recordable
 from ..runner import EVALUATOR_PID, STATUS, find, is_alive
 from . import result as results
 from .command import build_argv, describe
@@ -41,6 +43,7 @@ class Evaluation(Job):
 
     in_output_dir: bool = True  # retention and best apply to it
     submitted_unix: float = field(default_factory=time.time)
+    holding: bool = False  # it holds the engine on its snapshot until it lands (evaluate.lm_eval.engine_hold)
 
     @property
     def kept(self) -> bool:
@@ -58,10 +61,13 @@ class EvaluationHook(ConsumerHook):
     WORKDIR, LOG = records.WORKDIR, records.LOG
 
     def __init__(self, cfg: EvaluateConfig, python: List[str], run_id: str = "evaluate",
-                 api_key_env: Optional[str] = None):
+                 api_key_env: Optional[str] = None, holds: Optional[Holds] = None, serve=None):
         super().__init__(cfg, run_id, workers=cfg.max_concurrent)
         self.python = list(python)
         self.api_key_env = api_key_env  # serve.api_key_env: evaluate.lm_eval's engine backend sends the key
+        self.holds = holds  # evaluate.lm_eval.engine_hold: a snapshot in line holds the engine's next swap
+        self.serve = serve  # the serve section: its adapter mode changes what the engine backend requests
+        self._done = LandingQueue(self._landed)
         self._commits = 0
         self._last: Optional[Evaluation] = None
         self._last_due = False
@@ -77,7 +83,7 @@ class EvaluationHook(ConsumerHook):
             due = bool(self.cfg.every) and self._commits % self.cfg.every == 0
             self._last, self._last_due = ev, due
         if due:
-            self.submit(ev)
+            self._hold_and_submit(ev)
         return due
 
     def training_ended(self) -> None:
@@ -85,7 +91,21 @@ class EvaluationHook(ConsumerHook):
         with self._cond:
             ev, due, self._last_due = self._last, self._last_due, True
         if ev is not None and not due and self.cfg.last and ev.path.is_dir():
-            self.submit(ev)
+            self._hold_and_submit(ev)
+
+    def _hold_and_submit(self, ev: Evaluation) -> None:
+        """Held before it is in line (the serving hook hears of the commit after this hook), released when it lands."""
+        if self.holds is not None:
+            self.holds.hold(ev.name)
+            ev.holding = True
+        if not self.submit(ev) and ev.holding:  # not taken (the end of training): it never lands
+            ev.holding = False
+            self.holds.release(ev.name)
+
+    def _landed(self, ev: Evaluation) -> None:
+        if getattr(ev, "holding", False):
+            ev.holding = False
+            self.holds.release(ev.name)
 
     def submit(self, ev: Evaluation) -> int:
         backlog = super().submit(ev)
@@ -131,9 +151,18 @@ class EvaluationHook(ConsumerHook):
         work.mkdir()
         mark(work, self.run_id)
         output = work / OUTPUT
-        argv = build_argv(self.cfg, self.python, ev.path, ev.step, output, ev.name, self.api_key_env)
+        argv = build_argv(self.cfg, self.python, ev.path, ev.step, output, ev.name, self.api_key_env,
+                          adapter=self._adapter(ev))
         env = {"PFC_SNAPSHOT": str(ev.path), "PFC_STEP": str(ev.step), "PFC_OUTPUT": str(output)}
         self._launch(ev, work, argv, env, identity, head={"command": describe(argv)})
+
+    def _adapter(self, ev: Evaluation) -> Optional[dict]:
+        """``serve.adapter``: the engine backend requests the stable adapter name, which serves the snapshot while
+        that name's directory is the snapshot's adapter (as the engine sees it)."""
+        s = self.serve
+        if s is None or not s.adapter or self.cfg.lm_eval.backend != "engine":
+            return None
+        return {"name": s.adapter_name, "root": format_adapter_path(s.path_template, str(ev.path), ev.name, ev.step)}
 
     def _finalize(self, ev: Evaluation) -> None:
         ev.record = finalize(ev.name, ev.path, ev.running or self._base(ev), ev.stopped_after_s)

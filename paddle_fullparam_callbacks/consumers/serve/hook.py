@@ -10,15 +10,15 @@ per engine, what it serves now and each call's seconds. The hook keeps what each
 (:class:`EngineState`): the fallback of its next swap, which retention keeps (:meth:`busy`). A swap that
 runs is never stopped at the end of training (its calls are bounded by their timeouts); :meth:`wait_for` is
 ``serve.wait``'s.
+
+``serve.adapter`` (a LoRA run): each swap loads the snapshot's adapter under the names ``adapters.py`` gives, and
+the state is what each engine holds (:class:`~.adapters.Held`), all of which retention keeps. With ``holds``
+(``evaluate.lm_eval.engine_hold``), the next swap waits while an engine serves a snapshot whose evaluation is not
+over (:meth:`_blocked`); ``serve.wait`` then returns at once (the hold delays swaps, never training).
 """
 from __future__ import annotations
 
-import os
-import queue
-import select
 import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,18 +27,18 @@ from typing import Dict, List, Optional
 
 from ...config.schema import ServeConfig
 from ...config.serving import format_engine_path, swap_bound_s
-from ...export.commit.ownership import delete_marked, is_marked, mark, snapshot_identity
+from ...export.commit.ownership import delete_marked, is_marked, snapshot_identity
 from ...export.write.fsync import write_json_durable
 from ... import _faults
-from ..hook import BACKSTOP_S, ConsumerHook, Job, not_recordable
-from ..runner import cmdline
-from . import records
+from ..holds import Holds
+from ..hook import BACKSTOP_S, ConsumerHook, Job, LandingQueue, not_recordable
+from . import adapters, records
 from .agent import OUTPUT, SPEC
+from .agent_client import Agent, agent_works, prepare_work
 from .engines import Target
 from .result import final_entries
 
-AGENT = Path(__file__).resolve().with_name("agent.py")
-PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding paddle_fullparam_callbacks/
+__all__ = ["EngineState", "ServeHook", "Serving", "agent_works", "prepare_work"]
 
 
 def job_timeout(cfg: ServeConfig) -> float:
@@ -61,6 +61,11 @@ class EngineState:
     url: str
     served: Optional[Target] = None
     snapshot: Optional[str] = None  # the name of that snapshot when it is one of output_dir's
+    held: adapters.Held = field(default_factory=adapters.Held)  # adapter mode: the adapters it holds
+
+    def serves(self) -> Optional[str]:
+        """The snapshot requests get now (weights mode: the weights; adapter mode: the stable name's adapter)."""
+        return self.held.stable or (self.served.version if self.served else None)
 
 
 @dataclass
@@ -80,92 +85,6 @@ class Serving(Job):
         return (self.record or {}).get("engines") or {}
 
 
-class Agent:
-    """The hook's swap agent (``agent.py``): started with the hook in a session of its own (it imports the
-    package's verification meanwhile), told one work folder at a time, answering when that swap has ended;
-    started again after it died or stopped answering."""
-
-    def __init__(self):
-        self.proc: Optional[subprocess.Popen] = None
-        self._ready = False
-
-    def start(self) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            self.proc = subprocess.Popen([sys.executable, "-I", str(AGENT), PACKAGE_ROOT], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, start_new_session=True)
-            self._ready = False
-        return self.proc.pid
-
-    def run(self, work: Path, timeout_s: float) -> Optional[str]:
-        """Hand ``work`` to the agent; None once it answered, else why not (it died, or gave no answer within
-        ``timeout_s``: then it is killed, and the next swap starts another)."""
-        proc = self.proc
-        deadline = time.monotonic() + timeout_s
-        if not self._ready:  # its first line: the package imported (one start's cost, before any swap)
-            why = self._line(deadline, timeout_s)
-            if why:
-                return why
-            self._ready = True
-        try:
-            proc.stdin.write(f"{work}\n".encode())
-            proc.stdin.flush()
-        except OSError as e:
-            return self._lost(f"the swap agent could not be reached ({e})")
-        return self._line(deadline, timeout_s)
-
-    def _line(self, deadline: float, timeout_s: float) -> Optional[str]:
-        """Read one answer line; None, or why there is none."""
-        answer, fd = b"", self.proc.stdout.fileno()
-        while not answer.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return self._lost(f"the swap agent gave no answer within {timeout_s:.0f} s", kill=True)
-            ready, _, _ = select.select([fd], [], [], left)
-            if ready:
-                chunk = os.read(fd, 1)  # one byte at a time: never past this answer's line
-                if not chunk:
-                    return self._lost(f"the swap agent ended (exit status {self.proc.wait()})")
-                answer += chunk
-        return None
-
-    def _lost(self, why: str, kill: bool = False) -> str:
-        if kill and self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-        return why
-
-    def close(self) -> None:
-        """No more swaps: the agent sees its input closed and exits."""
-        if self.proc is not None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-            self.proc = None
-
-
-def agent_works(running: dict, work: Path) -> bool:
-    """Whether the swap agent of a running record still works on ``work`` (on this host: ``/proc``)."""
-    if running.get("host") not in (None, socket.gethostname()):
-        return False
-    args = cmdline(running.get("pid"))
-    return any(arg.endswith(AGENT.name.encode()) for arg in args) and not (work / OUTPUT).exists()
-
-
-class _DoneQueue(queue.Queue):
-    """The done queue, telling :meth:`ServeHook.wait_for` of every job that lands in it."""
-
-    def __init__(self, landed):
-        super().__init__()
-        self._landed = landed
-
-    def put(self, item, block=True, timeout=None):
-        super().put(item, block, timeout)
-        self._landed(item)
-
-
 class ServeHook(ConsumerHook):
     """Offers the committed snapshots of ``output_dir`` to the engines of ``config.serve`` (the coordinator's)."""
 
@@ -175,16 +94,20 @@ class ServeHook(ConsumerHook):
     STOP_RUNNING = False  # a swap is never cut between its pause and its resume
     DONE = OUTPUT
 
-    def __init__(self, cfg: ServeConfig, states: Dict[str, EngineState], run_id: str, skip_behind: bool = True):
+    def __init__(self, cfg: ServeConfig, states: Dict[str, EngineState], run_id: str, skip_behind: bool = True,
+                 holds: Optional[Holds] = None):
         super().__init__(_Bounds(job_timeout(cfg)), run_id, workers=1, skip_behind=skip_behind)
         self.serve = cfg
         self.states = states
+        self.holds = holds
         self._skipped: List[Serving] = []
         self._landed: Dict[str, threading.Event] = {}
-        self._done = _DoneQueue(self._mark_landed)
+        self._done = LandingQueue(self._mark_landed)
         self.agent = Agent()
         self.agent.start()  # imports the package's verification now, before the job's first step
         self._why: Dict[str, str] = {}  # a job's swap that gave no output: why (the agent lost)
+        if holds is not None:
+            holds.on_release(self._wake)
 
     # ---- the training side -------------------------------------------------------------------
     def committed(self, name: str, path: Path, step: int, in_output_dir: bool = True) -> Serving:
@@ -196,21 +119,47 @@ class ServeHook(ConsumerHook):
         return job
 
     def wait_for(self, name: str, timeout_s: float) -> bool:
-        """Block until the swap of snapshot ``name`` has ended (served, failed, skipped); False on timeout."""
+        """Block until the swap of snapshot ``name`` has ended (served, failed, skipped), or waits behind a hold
+        (``held_back`` says which); False on timeout."""
+        deadline = time.monotonic() + timeout_s
         with self._cond:
             event = self._landed.get(name)
-        return True if event is None else event.wait(timeout_s)
+            while event is not None and not event.is_set() and not self.held_back(name):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def held_back(self, name: str) -> bool:
+        """(The lock held) whether snapshot ``name`` waits in line behind a hold."""
+        return any(j.name == name for j in self._line) and self._blocked()
 
     def _mark_landed(self, job: Job) -> None:
         with self._cond:
             event = self._landed.pop(job.name, None)
-        if event is not None:
-            event.set()
+            if event is not None:
+                event.set()
+            self._cond.notify_all()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _blocked(self) -> bool:
+        """An engine serves a snapshot whose evaluation is not over (``evaluate.lm_eval.engine_hold``); a swap an
+        earlier job left running is watched whatever holds."""
+        if self.holds is None or any(j.adopted for j in self._line):
+            return False
+        return any(self.holds.held(n) for n in (s.serves() for s in self.states.values()) if n)
 
     def busy(self):
-        """Snapshots in line, being swapped or not drained, and each engine's fallback (retention keeps them)."""
+        """Snapshots in line, being swapped or not drained, each engine's fallback and every snapshot whose adapter
+        an engine holds (retention keeps them)."""
         with self._cond:
             served = {s.snapshot for s in self.states.values() if s.snapshot}
+            for s in self.states.values():
+                served |= s.held.kept()
         return super().busy() | served
 
     def _enqueue(self, job: Serving) -> bool:
@@ -269,27 +218,46 @@ class ServeHook(ConsumerHook):
                           "error": "the snapshot is gone (removed before it could be served)"}
             return
         work = prepare_work(job.path, self.run_id)
-        with self._cond:
-            states = {url: s.served for url, s in self.states.items()}
-        engines = []
-        for url in self.serve.urls:
-            target = Target(format_engine_path(self.serve.path_template, str(job.path), job.name, job.step), job.name)
-            job.targets[url] = target
-            fallback = states.get(url)
-            engines.append({"url": url, "target": vars(target), "fallback": vars(fallback) if fallback else None})
+        engines = self._engines(job)
         write_json_durable(work / SPEC, {"snapshot": str(job.path), "engine": self.serve.engine,
-                                         "api_key_env": self.serve.api_key_env,
+                                         "api_key_env": self.serve.api_key_env, "verify": self._verify,
                                          "timeout_s": self.serve.timeout_s, "log": str(job.path / records.LOG),
                                          "reload_timeout_s": self.serve.reload_timeout_s, "engines": engines})
         job.running = {**self._base(job), "status": records.RUNNING, "committed_unix": job.committed_unix,
-                       "host": socket.gethostname(), "pid": self.agent.start(), "started_unix": time.time(), "timeout_s": self.cfg.timeout_s, "log": records.LOG,
-                       "identity": identity, "engine_paths": {u: t.path for u, t in job.targets.items()}}
+                       "host": socket.gethostname(), "pid": self.agent.start(), "started_unix": time.time(),
+                       "timeout_s": self.cfg.timeout_s, "log": records.LOG, "identity": identity,
+                       "engine_paths": {u: t.path for u, t in job.targets.items()}}
         self._write(job, job.running)
         _faults.point(self.FAULT)
         why = self.agent.run(work, self.cfg.timeout_s + BACKSTOP_S)
         if why:
             self._why[job.name] = why
         self._finalize(job)
+
+    @property
+    def _verify(self) -> str:
+        """What the agent verifies before a swap: the files the engines will read."""
+        return adapters.DIRECTORY if self.serve.adapter else "snapshot"
+
+    def _engines(self, job: Serving) -> List[dict]:
+        """The swap agent's spec per engine (``job.targets`` filled in): the snapshot's weights and the fallback,
+        or, in adapter mode, the adapter's load (:func:`~.adapters.plan`)."""
+        out = []
+        with self._cond:
+            states = {url: (s.served, s.held) for url, s in self.states.items()}
+        for url in self.serve.urls:
+            path = format_engine_path(self.serve.path_template, str(job.path), job.name, job.step)
+            fallback, held = states.get(url, (None, adapters.Held()))
+            if self.serve.adapter:
+                load = adapters.plan(held, job.name, adapters.adapter_path(path), self.serve.adapter_name,
+                                     self.serve.keep_adapters)
+                job.targets[url] = Target(load.path, job.name)
+                out.append({"url": url, "adapter": vars(load)})
+            else:
+                job.targets[url] = Target(path, job.name)
+                out.append({"url": url, "target": vars(job.targets[url]),
+                            "fallback": vars(fallback) if fallback else None})
+        return out
 
     def _finalize(self, job: Serving) -> None:
         work = job.path / records.WORKDIR
@@ -311,8 +279,13 @@ class ServeHook(ConsumerHook):
         fallback stays the last weights it served for sure, whatever it serves now)."""
         with self._cond:
             for url, entry in job.entries.items():
-                if entry["status"] == records.OK:
-                    state = self.states.setdefault(url, EngineState(url))
+                state = self.states.setdefault(url, EngineState(url))
+                if self.serve.adapter:  # what it holds, whatever the outcome: the loads and unloads that happened
+                    state.held = adapters.learn(state.held, job.name, self.serve.adapter_name,
+                                                entry.get("loaded") or [], entry.get("unloaded") or [])
+                    entry.update(mode="adapter", adapter=self.serve.adapter_name,
+                                 adapters=state.held.names(self.serve.adapter_name))
+                elif entry["status"] == records.OK:
                     state.served = job.targets[url]
                     state.snapshot = job.name if job.in_output_dir else None
 
@@ -327,15 +300,3 @@ class ServeHook(ConsumerHook):
         return self._keep(job, {**self._base(job), "status": records.UNFINISHED,
                                 "error": f"not served: the training ended first (after waiting {waited:.0f} s, "
                                          "serve.wait_at_end_s)"})
-
-
-def prepare_work(snapshot: Path, run_id: str) -> Path:
-    """The snapshot's marked work folder for its swap (an earlier attempt's files removed)."""
-    work = snapshot / records.WORKDIR
-    if work.exists() or work.is_symlink():
-        if not (work.is_dir() and not work.is_symlink() and is_marked(work)):
-            raise FileExistsError(f"{work} exists and is not this package's; left alone")
-        delete_marked(work)
-    work.mkdir()
-    mark(work, run_id)
-    return work

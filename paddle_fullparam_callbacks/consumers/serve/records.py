@@ -14,6 +14,9 @@ snapshot it served before, reloaded, or ``unknown``), ``skipped`` (newer snapsho
 ``unfinished`` (the training ended before its swap started). Each entry keeps the engine's path of the
 snapshot, ``version``, the seconds of each call (``pause_s``, ``reload_s``, ``version_s``, ``resume_s``, and
 ``restore_s`` after a failed reload), ``verify_s``, and ``served_s``: from the commit to the engine serving it.
+Adapter mode (``serve.adapter``): ``mode: adapter``, ``adapter`` (the stable name), ``loaded`` and ``unloaded``
+(the names of this load), ``adapters`` ({name: the snapshot it serves} the engine holds after it), ``load_s``,
+``unload_s``; no pause.
 Replaced atomically; only the coordinator (holding the output directory's lock) writes it.
 """
 from __future__ import annotations

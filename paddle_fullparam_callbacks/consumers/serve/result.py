@@ -41,6 +41,9 @@ def final_entries(running: dict, urls: Iterable[str], targets: Dict[str, Target]
                      restored=bool(swap.get("restored")), left_paused=bool(swap.get("left_paused")))
         if swap.get("error"):
             entry["error"] = swap["error"]
+        for key in ("loaded", "unloaded"):  # adapter mode: the names its adapter went under, those removed
+            if isinstance(swap.get(key), list):
+                entry[key] = swap[key]
         done, committed = seconds.get("done_unix"), running.get("committed_unix")
         if isinstance(done, (int, float)):
             entry["finished_unix"] = done

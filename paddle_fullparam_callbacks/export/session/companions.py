@@ -11,10 +11,10 @@ r x (in + out) per layer), so it goes to one file, written synchronously.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from ...assemble.local import LocalAssembler
-from ...assemble.mapping import MappingError
+from ...assemble.mapping import DestinationMap, MappingError
 from ...assemble.mesh import MeshAssembler, records_from_state_dict, shard_info_from_records, validate_records
 from ...config.schema import FullParamConfig
 from ...plan.export_plan import build_export_plan, natural_key
@@ -42,8 +42,19 @@ def write_companions(ctx, config: FullParamConfig, p: PreparedExport, source: Mo
     return out
 
 
-def _one(ctx, config, p: PreparedExport, comp: Companion, staging: Optional[Path], boundary) -> Optional[dict]:
-    mine = ctx.rank == ctx.coordinator
+def companion_layout(ctx, p: PreparedExport, comp: Companion) -> Optional[Tuple[DestinationMap, Dict[str, object]]]:
+    """What ``comp`` will hold, as its export will write it: its destinations (names, shapes, dtypes) and its JSON
+    files; for a start's checks (a LoRA run served as adapters proves its engines take that adapter). Every rank
+    of the coordinator's mesh calls it (one exchange); None on the others. Raises what the destinations raise
+    (e.g. ``LoraError`` for a layout peft cannot describe)."""
+    if ctx.coordinator not in ctx.mesh.ranks:
+        return None
+    dmap, _, _ = _destinations(ctx, p, comp)
+    return dmap, {f: (obj(p.dmap, dmap) if callable(obj) else obj) for f, obj in comp.json_files.items()}
+
+
+def _destinations(ctx, p: PreparedExport, comp: Companion):
+    """(the companion's DestinationMap, this rank's sharded state dict or None, every mesh rank's records)."""
     sd = comp.sharded_state_dict() if comp.tensors is None else None
     if comp.tensors is not None:
         records = list(comp.tensors.records())
@@ -51,7 +62,12 @@ def _one(ctx, config, p: PreparedExport, comp: Companion, staging: Optional[Path
         local = records_from_state_dict(ctx.rank, sd)
         records = [r for per_rank in ctx.mesh_gather_object(local, "companion: shard records") for r in per_rank]
     validate_records(records)
-    dmap = comp.destinations(p.dmap, shard_info_from_records(records))
+    return comp.destinations(p.dmap, shard_info_from_records(records)), sd, records
+
+
+def _one(ctx, config, p: PreparedExport, comp: Companion, staging: Optional[Path], boundary) -> Optional[dict]:
+    mine = ctx.rank == ctx.coordinator
+    dmap, sd, records = _destinations(ctx, p, comp)
     names = sorted(dmap.entries, key=natural_key)
     if comp.tensors is not None:
         if not mine:

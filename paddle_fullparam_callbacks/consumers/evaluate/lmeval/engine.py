@@ -8,7 +8,9 @@ beside the evaluations), or until that record says the engine will not (the swap
 failed, or was never started); then it watches the version while the requests run (a poll every half second, and
 once more after the last answer). A score counts only if every look saw the snapshot's name: a swap changes the
 name before it resumes the engine (pause, reload, name, resume), so no request can have been answered by other
-weights under the snapshot's name.
+weights under the snapshot's name. A LoRA run served as adapters (``serve.adapter``) leaves the base weights alone:
+requests then name the stable adapter, and the engine serves the snapshot while ``GET /v1/models`` says that
+adapter was loaded from the snapshot's adapter directory (vLLM names the new directory once the new adapter is in).
 
 **The requests** (:func:`engine_lm`): token ids, not text (the engine would add its own BOS to a string and shift
 the scored span by a token), with the BOS the snapshot's tokenizer adds (as transformers' tokenizer does); a
@@ -35,10 +37,14 @@ class EngineDown(Exception):
 
 
 class Engine:
-    """GETs to one engine (its base URL), with its API key; every call bounded."""
+    """GETs to one engine (its base URL), with its API key; every call bounded. ``adapter`` (``{"name", "root"}``,
+    a LoRA run served as adapters): requests name the adapter, and the engine serves the snapshot ``serves`` names
+    while that adapter was loaded from ``root``."""
 
-    def __init__(self, url: str, api_key: Optional[str] = None, timeout_s: float = 10.0):
+    def __init__(self, url: str, api_key: Optional[str] = None, timeout_s: float = 10.0,
+                 adapter: Optional[dict] = None, serves: str = ""):
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.adapter, self.serves = adapter, serves
         self.headers = {"Accept": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
@@ -55,15 +61,30 @@ class Engine:
         return obj
 
     def version(self) -> str:
-        return str(self.get("/weight_info").get("weight_version"))
+        """The snapshot the engine serves: its weights' version, or (adapter mode) ``serves`` while the adapter's
+        directory is the snapshot's, else that directory (or a note that no adapter has the name)."""
+        if self.adapter is None:
+            return str(self.get("/weight_info").get("weight_version"))
+        cards = self._cards()
+        root = next((c.get("root") for c in cards if c.get("id") == self.adapter["name"] and c.get("parent")), None)
+        if root is None:
+            return f"(no adapter named {self.adapter['name']})"
+        return self.serves if root == self.adapter["root"] else str(root)
 
-    def model(self) -> tuple:
-        """(the served model's id, its max_model_len or None) from ``GET /v1/models``."""
+    def _cards(self) -> list:
         data = self.get("/v1/models").get("data")
         if not isinstance(data, list) or not data or not isinstance(data[0], dict):
             raise EngineDown(f"{self.url}: GET /v1/models names no model")
-        length = data[0].get("max_model_len")
-        return str(data[0].get("id")), length if isinstance(length, int) and length > 0 else None
+        return [c for c in data if isinstance(c, dict)]
+
+    def model(self) -> tuple:
+        """(the model requests name: the base model's id, or the adapter's name; the base's max_model_len or None)
+        from ``GET /v1/models``."""
+        cards = self._cards()
+        base = next((c for c in cards if not c.get("parent")), cards[0])
+        length = base.get("max_model_len")
+        name = self.adapter["name"] if self.adapter else str(base.get("id"))
+        return name, length if isinstance(length, int) and length > 0 else None
 
 
 def serve_entry(snapshot: Path, url: str) -> dict:

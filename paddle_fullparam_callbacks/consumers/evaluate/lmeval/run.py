@@ -41,7 +41,7 @@ def evaluate(snapshot: Path, spec: dict, scratch: Optional[Path] = None) -> dict
 
         info = spec["engine"]
         key = os.environ.get(info["api_key_env"] or "", "") or None
-        engine = Engine(info["url"], key)
+        engine = Engine(info["url"], key, adapter=info.get("adapter"), serves=spec["name"])
         base["engine"] = {"url": engine.url, "version": spec["name"]}
         try:
             why = wait_served(engine, spec["name"], snapshot, float(info["wait_s"]))

@@ -5,10 +5,12 @@ The spec is one JSON object on the evaluator's command line (so the record's ``c
 
     {"tasks": [...], "include_path": "/abs/folder", "builtin_tasks": false, "num_fewshot": null, "limit": null,
      "batch_size": 1, "backend": "hf", "log_samples": false, "name": "hf-step-000020",
-     "engine": null | {"url": "http://10.0.0.5:8000", "api_key_env": "VLLM_API_KEY", "wait_s": 300.0}}
+     "engine": null | {"url": "http://10.0.0.5:8000", "api_key_env": "VLLM_API_KEY", "wait_s": 300.0,
+                       "adapter": {"name": "latest", "root": "/models/hf-step-000020/adapter"} (serve.adapter)}}
 
 ``name`` is the snapshot's name, which is also the weight version an engine serving it reports (serving names the
-weights after the snapshot).
+weights after the snapshot); with ``serve.adapter``, the engine serves it while the adapter ``adapter.name`` was
+loaded from ``adapter.root``.
 """
 from __future__ import annotations
 
@@ -35,11 +37,14 @@ def task_folder(cfg) -> Path:
     return Path(cfg.include_path) if cfg.include_path else bundled_tasks()
 
 
-def build_spec(cfg, name: str = "", api_key_env: Optional[str] = None) -> dict:
-    """The evaluator's spec from ``evaluate.lm_eval`` (``cfg``) for the snapshot ``name``."""
+def build_spec(cfg, name: str = "", api_key_env: Optional[str] = None, adapter: Optional[dict] = None) -> dict:
+    """The evaluator's spec from ``evaluate.lm_eval`` (``cfg``) for the snapshot ``name`` (``adapter``: see
+    :func:`build_argv`)."""
     engine = None
     if cfg.backend == "engine":
         engine = {"url": cfg.engine_url, "api_key_env": api_key_env, "wait_s": float(cfg.engine_wait_s)}
+        if adapter:
+            engine["adapter"] = dict(adapter)
     limit = cfg.limit
     if limit is not None and float(limit) >= 1:
         limit = int(limit)
@@ -49,8 +54,10 @@ def build_spec(cfg, name: str = "", api_key_env: Optional[str] = None) -> dict:
 
 
 def build_argv(cfg, python: List[str], snapshot: Path, output: Path, name: str,
-               api_key_env: Optional[str] = None) -> List[str]:
-    """``python -m <this package> run SNAPSHOT --output OUTPUT --spec JSON``.
+               api_key_env: Optional[str] = None, adapter: Optional[dict] = None) -> List[str]:
+    """``python -m <this package> run SNAPSHOT --output OUTPUT --spec JSON``; ``adapter``: ``{"name", "root"}`` when
+    the engine serves a LoRA run as adapters (requests name the adapter; it serves this snapshot while its directory
+    is ``root``).
 
     >>> from types import SimpleNamespace as NS
     >>> cfg = NS(tasks=["pfc_choice"], include_path="/t", builtin_tasks=False, num_fewshot=None, limit=8.0,
@@ -58,7 +65,7 @@ def build_argv(cfg, python: List[str], snapshot: Path, output: Path, name: str,
     >>> build_argv(cfg, ["/py"], Path("/s/hf-step-000002"), Path("/s/o.json"), "hf-step-000002")[:6]
     ['/py', '-m', 'paddle_fullparam_callbacks.consumers.evaluate.lmeval', 'run', '/s/hf-step-000002', '--output']
     """
-    spec = json.dumps(build_spec(cfg, name, api_key_env), separators=(",", ":"))
+    spec = json.dumps(build_spec(cfg, name, api_key_env, adapter), separators=(",", ":"))
     return [*python, "-m", MODULE, "run", str(snapshot), "--output", str(output), "--spec", spec]
 
 

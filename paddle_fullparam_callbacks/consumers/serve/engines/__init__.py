@@ -3,7 +3,7 @@ A second engine (SGLang's ``/update_weights_from_disk``) is one more module here
 ``config/serving.ENGINES``, on the day a test can run it. Standard library only."""
 from __future__ import annotations
 
-from .base import Engine, EngineError, Probe, Swap, Target
+from .base import Adapter, Engine, EngineError, Probe, Refusal, Swap, Target
 from .vllm import VLLMEngine
 
 ENGINES = {VLLMEngine.NAME: VLLMEngine}
@@ -16,4 +16,5 @@ def engine_class(name: str):
         raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}") from None
 
 
-__all__ = ["ENGINES", "Engine", "EngineError", "Probe", "Swap", "Target", "VLLMEngine", "engine_class"]
+__all__ = ["Adapter", "ENGINES", "Engine", "EngineError", "Probe", "Refusal", "Swap", "Target", "VLLMEngine",
+           "engine_class"]

@@ -1,6 +1,7 @@
 """What every engine's protocol shares: the HTTP client (a timeout on every call, the API key as a bearer
 token), the one error every call raises (:class:`EngineError`, naming the engine, the call and what went
-wrong), and the contract a protocol module fills (:class:`Engine`: ``probe`` at start, ``swap`` per snapshot).
+wrong), and the contract a protocol module fills (:class:`Engine`: ``probe`` at start, ``swap`` per snapshot, or
+``load_adapter`` per snapshot for a LoRA run served as adapters).
 
 Standard library only: the swap runs in a process of its own (``../swap.py``) that starts in milliseconds,
 and this folder is imported there by path, without the package.
@@ -25,8 +26,8 @@ class EngineError(Exception):
     timeout, refused (an HTTP error status), missing (the endpoint is not there: 404/405), answer (not
     the JSON the call expects)."""
 
-    def __init__(self, url: str, call: str, kind: str, message: str, status: Optional[int] = None):
-        self.url, self.call, self.kind, self.status = url, call, kind, status
+    def __init__(self, url: str, call: str, kind: str, message: str, status: Optional[int] = None, detail: str = ""):
+        self.url, self.call, self.kind, self.status, self.detail = url, call, kind, status, detail
         super().__init__(f"{url}: {call}: {message}")
 
 
@@ -40,8 +41,9 @@ class Client:
             self._headers["Authorization"] = f"Bearer {api_key}"
 
     def call(self, method: str, path: str, body: Any = None, query: Optional[dict] = None,
-             timeout_s: Optional[float] = None) -> Any:
-        """The decoded JSON answer (None for an empty one); EngineError otherwise."""
+             timeout_s: Optional[float] = None, text: bool = False) -> Any:
+        """The decoded JSON answer (None for an empty one; with ``text``, an answer that is not JSON is returned as
+        text: vLLM's adapter endpoints answer a sentence); EngineError otherwise."""
         where = f"{method} {path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
         data = None if body is None else json.dumps(body).encode()
         if method == "POST" and data is None:
@@ -55,7 +57,8 @@ class Client:
         except urllib.error.HTTPError as e:
             detail = _detail(e)
             kind = MISSING if e.code in (404, 405) else REFUSED
-            raise EngineError(self.url, where, kind, f"HTTP {e.code}{': ' + detail if detail else ''}", e.code) from None
+            raise EngineError(self.url, where, kind, f"HTTP {e.code}{': ' + detail if detail else ''}", e.code,
+                              detail) from None
         except (socket.timeout, TimeoutError) as e:
             raise EngineError(self.url, where, TIMEOUT, f"no answer within {timeout:g} s") from e
         except urllib.error.URLError as e:
@@ -70,6 +73,8 @@ class Client:
         try:
             return json.loads(raw)
         except ValueError:
+            if text:
+                return raw.decode("utf-8", "replace").strip()
             raise EngineError(self.url, where, ANSWER, f"answered with something that is not JSON: {raw[:200]!r}") from None
 
 
@@ -101,6 +106,8 @@ class Probe:
     version: Optional[str] = None  # the name of the weights it serves now
     paused: Optional[bool] = None
     note: str = ""  # how to give the engine what is missing
+    model_id: Optional[str] = None  # the name requests give for the engine's base model
+    adapters: Dict[str, str] = field(default_factory=dict)  # adapter mode: {name: its directory as the engine sees it}
 
 
 @dataclass
@@ -109,6 +116,36 @@ class Target:
 
     path: str
     version: str
+
+
+@dataclass
+class Adapter:
+    """A snapshot's PEFT adapter for one engine: its directory as the engine sees it, the snapshot it comes from
+    (``version``), the names to load it under (the stable name first: the one clients request), the names to unload
+    once it is loaded, and the snapshot the stable name holds now (what the engine serves if the load fails)."""
+
+    path: str
+    version: str
+    names: List[str]
+    unload: List[str] = field(default_factory=list)
+    held: Optional[str] = None
+
+
+@dataclass
+class Refusal:
+    """Why an engine would not take an adapter (``Engine.try_adapter``): ``kind`` is one of :data:`REFUSALS`,
+    ``message`` the engine's own words, ``hint`` how to start the engine so that it takes it (empty when no start
+    option helps)."""
+
+    kind: str
+    message: str
+    hint: str = ""
+
+
+NO_LORA, RANK, NOT_FOUND, UNSUPPORTED = "no_lora", "rank", "not_found", "unsupported"
+REFUSALS = (NO_LORA, RANK, NOT_FOUND, UNSUPPORTED)
+"""LoRA is off; the adapter's rank is above the engine's largest; the engine cannot read the adapter's directory; the
+engine's loader refuses what the adapter is (DoRA, a bias, modules to save, a module it has no LoRA for...)."""
 
 
 @dataclass
@@ -123,6 +160,8 @@ class Swap:
     # pause_s, reload_s, version_s, resume_s, restore_s; paused_unix, resumed_unix: when the engine held its requests
     seconds: Dict[str, float] = field(default_factory=dict)
     error: Optional[str] = None
+    loaded: List[str] = field(default_factory=list)  # adapter mode: the names the adapter was loaded under
+    unloaded: List[str] = field(default_factory=list)  # adapter mode: the names removed
 
     def timed(self, name: str, fn, *args):
         t0 = time.perf_counter()
@@ -136,8 +175,11 @@ class Swap:
         self.error = message if not self.error else f"{self.error}; {message}"
 
     def as_dict(self) -> dict:
-        return {"url": self.url, "ok": self.ok, "version": self.version, "restored": self.restored,
-                "left_paused": self.paused, "seconds": self.seconds, "error": self.error}
+        out = {"url": self.url, "ok": self.ok, "version": self.version, "restored": self.restored,
+               "left_paused": self.paused, "seconds": self.seconds, "error": self.error}
+        if self.loaded or self.unloaded:
+            out.update(loaded=self.loaded, unloaded=self.unloaded)
+        return out
 
 
 class Engine:
@@ -145,10 +187,16 @@ class Engine:
 
     ``probe()`` at start (side-effect free); ``swap(target, fallback)`` switches the engine to ``target``
     without dropping a request, and, when the reload fails, leaves it on ``fallback`` (the last weights it
-    served) or says it could not (``Swap.version`` UNKNOWN)."""
+    served) or says it could not (``Swap.version`` UNKNOWN).
+
+    Adapter mode (a LoRA run, ``serve.adapter``): ``probe(adapter=True)`` proves the engine loads adapters at run
+    time; ``try_adapter`` loads one and removes it (the start's proof that the engine takes the run's adapter);
+    ``prompt_logprobs`` is what its base model computes (the start's proof that it is the run's base);
+    ``load_adapter`` serves a snapshot's adapter under its names, never touching the base weights."""
 
     NAME = ""
     START_HINT = ""  # how to start the engine so that it has what ``probe`` checks
+    ADAPTER_HINT = ""  # the same for adapter mode
 
     def __init__(self, url: str, api_key: Optional[str] = None, timeout_s: float = 30.0,
                  reload_timeout_s: float = 600.0):
@@ -156,8 +204,17 @@ class Engine:
         self.client = Client(self.url, api_key, timeout_s)
         self.timeout_s, self.reload_timeout_s = float(timeout_s), float(reload_timeout_s)
 
-    def probe(self) -> Probe:
+    def probe(self, adapter: bool = False) -> Probe:
         raise NotImplementedError
 
     def swap(self, target: Target, fallback: Optional[Target]) -> Swap:
+        raise NotImplementedError
+
+    def try_adapter(self, path: str, name: str) -> Optional[Refusal]:
+        raise NotImplementedError
+
+    def prompt_logprobs(self, ids: List[int], model: str) -> List[float]:
+        raise NotImplementedError
+
+    def load_adapter(self, adapter: Adapter) -> Swap:
         raise NotImplementedError
