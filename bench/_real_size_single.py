@@ -1,0 +1,503 @@
+"""The single-process part of ``bench/real_size.py``: one child process builds the model once and measures, in
+turn, everything one process does with it (building it again costs 70 s and 15 GB at full size).
+
+    python bench/_real_size_single.py --dims JSON --work DIR [--reps N] ...     # one JSON line on stdout
+
+Not meant to be run by hand (``bench/real_size.py`` starts it). In order:
+
+1. ``ref``: ``bench/export_single.py``'s 0.67 GB float32 Llama exported to the same disk by a callback the same
+   way, ``--reps`` times (the seconds per byte the large model is compared with), then freed;
+2. the model: PaddleFormers ``LlamaForCausalLM`` at ``--dims``, bfloat16, ``paddle.seed(0)``, on the CPU; the
+   expected BLAKE3 of every tensor in the HF layout (``_real_size.hf_array``);
+3. ``--reps`` rounds of: ``bf16`` (the live export: ``on_save`` of a callback with the defaults), its checks,
+   ``cp -r`` of that snapshot + fsync, ``fp8`` (the same with ``export.quantization=fp8``) and its checks, ``raw``
+   (a ``pwrite`` loop of the parameters' bytes + fsync: the disk's write rate for the same bytes);
+4. ``async``, per case (``default``: the defaults; a fraction: ``export.max_pending_bytes`` set to that share of
+   the snapshot, a ring that cannot hold it as on a host the model fills): ``on_train_begin`` (the ring is sized
+   and faulted in then), ``--reps`` ``on_save`` calls with ``--train-seconds`` of training between them, then
+   ``on_train_end``; the stall of an export is its ``on_save`` plus the wait the next event has for it;
+5. the PaddleFormers flex checkpoint of the model (``paddle.distributed.save_state_dict(model.sharded_state_dict())``
+   as the Trainer's save calls it), for the conversion the parent times after this process is gone.
+
+Every snapshot is checked: the first of each kind tensor by tensor (``snapshot_digests`` against the model's
+digests; FP8: the tensors it does not quantize so, the quantized ones by transformers' ``Fp8Quantize`` in the hf
+environment, ``tests/hf_client/check_real_size.py``, which also loads the bfloat16 snapshot on the meta device);
+every one by ``verify`` (files against the manifest), and a later one's files must have the first one's BLAKE3.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _common as C  # noqa: E402
+import _real_size as R  # noqa: E402
+
+PIECE = 16 * 2**20  # bytes per pwrite of the raw writer
+SHARD = {"size": "5GB"}  # export.max_shard_size of every export (--max-shard-size: the tiny mode's several files)
+
+
+class Watch:
+    """Peak RSS of this process and lowest MemAvailable of the machine over a region (every 10 ms)."""
+
+    def __init__(self):
+        import psutil
+
+        self._proc, self._stop = psutil.Process(), threading.Event()
+
+    def _sample(self):
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+        self.low = min(self.low, R.meminfo()["MemAvailable"])
+
+    def _run(self):
+        while not self._stop.wait(0.01):
+            self._sample()
+
+    def __enter__(self):
+        gc.collect()
+        C.trim_heap()
+        self.baseline = self.peak = self._proc.memory_info().rss
+        self.low = R.meminfo()["MemAvailable"]
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0
+        self._sample()
+        self._stop.set()
+        self._t.join()
+
+    def row(self, **extra) -> dict:
+        return {"seconds": round(self.seconds, 4), "peak_extra_rss_bytes": self.peak - self.baseline,
+                "mem_available_low_bytes": self.low, **extra}
+
+
+class Driver:
+    """A callback driven as a Trainer drives it: ``on_train_begin``, ``on_save`` at each checkpoint step,
+    ``on_train_end``. ``args`` holds the fields the callback reads of TrainingArguments."""
+
+    def __init__(self, out: Path, overrides=()):
+        from paddleformers.trainer.trainer_callback import TrainerControl, TrainerState
+
+        from paddle_fullparam_callbacks import FullParamExportCallback
+
+        self.cb = FullParamExportCallback(None, output_dir=str(out), overrides=[
+            "on_error=raise", f"export.max_shard_size={SHARD['size']}", *overrides])
+        self.args = types.SimpleNamespace(output_dir=str(out.parent / "trainer"), sharding="")
+        self.state, self.control = TrainerState(), TrainerControl()
+
+    def begin(self, model) -> None:
+        self.cb.on_train_begin(self.args, self.state, self.control, model=model)
+
+    def save(self, step: int, model):
+        self.state.global_step = step
+        self.cb.on_save(self.args, self.state, self.control, model=model)
+        return self.cb.snapshots[-1]
+
+    def wait_pending(self) -> float:
+        """What the next trainer event waits for a background export (it does this first)."""
+        t0 = time.perf_counter()
+        self.cb._finish_pending(self.state)
+        return time.perf_counter() - t0
+
+    def end(self) -> float:
+        t0 = time.perf_counter()
+        self.cb.on_train_end(self.args, self.state, self.control)
+        return time.perf_counter() - t0
+
+
+# ---- the model and its expected bytes ---------------------------------------------------------------
+def build(d: dict):
+    import paddle
+    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+
+    paddle.set_device("cpu")
+    paddle.set_default_dtype("bfloat16")
+    paddle.seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**d))
+    model.eval()
+    return model
+
+
+def param_view(p):
+    """The parameter's bytes as a numpy array sharing its memory (DLPack; bfloat16 as uint16)."""
+    import numpy as np
+    import paddle
+
+    t = p.detach()
+    try:
+        return np.from_dlpack(t.view(paddle.uint16) if t.dtype == paddle.bfloat16 else t)
+    except (TypeError, RuntimeError, ValueError, BufferError):
+        return t.numpy()
+
+
+def expected_digests(model, d: dict) -> dict:
+    """{HF name: ("BF16", HF shape, BLAKE3)} of every parameter, by this benchmark's own name and layout rule."""
+    want = R.shapes(d)
+    out = {}
+    for name, p in model.named_parameters():
+        a = R.hf_array(name, param_view(p))
+        out[name] = ("BF16", tuple(a.shape), R.digest_array(a))
+    if set(out) != set(want) or any(out[n][1] != tuple(s) for n, s in want.items()):
+        raise SystemExit(f"_real_size.shapes() does not describe the model: {sorted(set(out) ^ set(want))[:5]}")
+    return out
+
+
+# ---- checks ---------------------------------------------------------------------------------------
+def safetensors_digests(snapshot: Path) -> dict:
+    files = json.loads((snapshot / "fullparam_manifest.json").read_text())["files"]
+    return {k: v.get("blake3") for k, v in files.items() if k.endswith(".safetensors")}
+
+
+def verify(snapshot: Path) -> dict:
+    from paddle_fullparam_callbacks.export.verify.snapshot import verify_snapshot
+
+    t0 = time.perf_counter()
+    r = verify_snapshot(snapshot)
+    return {"verify_ok": r.ok, "verify_errors": r.errors[:5], "verify_s": round(time.perf_counter() - t0, 2)}
+
+
+def check_first(snapshot: Path, expected: dict, names=None) -> dict:
+    """verify, then every tensor read back from the files and compared with the model's (``names``: only those)."""
+    out = verify(snapshot)
+    t0 = time.perf_counter()
+    want = expected if names is None else {n: v for n, v in expected.items() if n in names}
+    got = R.snapshot_digests(snapshot, names)
+    out["tensors"] = R.compare(want, got)
+    out["readback_s"] = round(time.perf_counter() - t0, 2)
+    out["ok"] = out["verify_ok"] and out["tensors"]["equal"]
+    return out
+
+
+def check_again(snapshot: Path, first: dict) -> dict:
+    """verify; the files' BLAKE3 (the manifest's, which verify just checked) equal the first snapshot's."""
+    out = verify(snapshot)
+    out["same_files_as_first"] = safetensors_digests(snapshot) == first
+    out["ok"] = out["verify_ok"] and out["same_files_as_first"]
+    return out
+
+
+def hf_check(hf_python: str, snapshot: Path, bf16: "Path | None" = None) -> dict:
+    argv = [hf_python, str(HERE.parent / "tests" / "hf_client" / "check_real_size.py"), str(snapshot)]
+    if bf16 is not None:
+        argv += ["--bf16", str(bf16)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=7200)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"tests/hf_client/check_real_size.py failed on {snapshot}:\n{proc.stderr[-3000:]}")
+    report = json.loads(lines[-1])
+    meta, fp8 = report["meta"], report.get("fp8")
+    report["ok"] = ("error" not in meta and not meta["missing"] and not meta["unexpected"] and not meta["mismatched"]
+                    and (fp8 is None or (fp8["wrong_count"] == 0 and not fp8["orphan_scales"] and fp8["quantized_weights"] > 0)))
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    return report
+
+
+# ---- baselines ------------------------------------------------------------------------------------
+def fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*")) + [root]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def cp_r(src: Path, dst: Path) -> None:
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    fsync_tree(dst)
+
+
+def write_raw(path: Path, model) -> int:
+    """Each parameter's bytes (shared, not copied) by a pwrite loop into one file, then fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    off = 0
+    try:
+        for p in model.parameters():
+            mv = memoryview(param_view(p).reshape(-1).view("uint8"))
+            for i in range(0, len(mv), PIECE):
+                off += os.pwrite(fd, mv[i:i + PIECE], off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return off
+
+
+def memcpy_gb_s() -> float:
+    """numpy copy of 256 MB (the ring's fill rate): the best of 3."""
+    import numpy as np
+
+    n = C.tiny(256, 8) * 2**20
+    a, b = np.ones(n, np.uint8), np.empty(n, np.uint8)
+    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(3))
+    return round(n / 1e9 / best, 2)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _settle() -> None:
+    """No dirty pages of the last run in the next one's time."""
+    os.sync()
+
+
+# ---- the parts -----------------------------------------------------------------------------------
+def ref_part(work: Path, reps: int) -> dict:
+    """export_single's model to the same disk, driven the same way."""
+    model = C.build_llama(seed=0)
+    drv, rows = Driver(work / "ref"), []
+    drv.begin(model)
+    for rep in range(reps):
+        _settle()
+        with Watch() as w:
+            info = drv.save(rep + 1, model)
+        rows.append(w.row(bytes=info.bytes))
+        shutil.rmtree(info.path)
+    drv.end()
+    out = {"model_bytes": C.parameter_bytes(model), "dtype": "float32", "config": C.LLAMA_KWARGS, "runs": rows}
+    shutil.rmtree(work / "ref", ignore_errors=True)
+    del model, drv
+    gc.collect()
+    C.trim_heap()
+    return out
+
+
+def sync_part(model, expected: dict, work: Path, reps: int, hf_python: str) -> dict:
+    drv16, drv8 = Driver(work / "bf16"), Driver(work / "fp8", ["export.quantization=fp8"])
+    drv16.begin(model)
+    drv8.begin(model)
+    runs = {"bf16": [], "cp": [], "fp8": [], "raw": []}
+    checks = {"bf16": [], "fp8": []}
+    first = {}
+    names_not_quantized = None
+    for rep in range(reps):
+        step = rep + 1
+        _settle()
+        with Watch() as w, C.CpuShare() as cpu:
+            info = drv16.save(step, model)
+        runs["bf16"].append(w.row(bytes=info.bytes, cpu=cpu.as_dict(), timings=dict(info.timings)))
+        bf16 = Path(info.path)
+        if rep == 0:
+            checks["bf16"].append(check_first(bf16, expected))
+            checks["hf_meta"] = hf_check(hf_python, bf16)
+            first["bf16"] = safetensors_digests(bf16)
+        else:
+            checks["bf16"].append(check_again(bf16, first["bf16"]))
+        _settle()
+        copy = work / "cp_copy"
+        with Watch() as w, C.CpuShare() as cpu:
+            cp_r(bf16, copy)
+        runs["cp"].append(w.row(bytes=sum(C.tree_bytes(copy).values()), cpu=cpu.as_dict()))
+        shutil.rmtree(copy)
+        _settle()
+        with Watch() as w, C.CpuShare() as cpu:
+            info8 = drv8.save(step, model)
+        fp8 = Path(info8.path)
+        runs["fp8"].append(w.row(bytes=info8.bytes, cpu=cpu.as_dict(), timings=dict(info8.timings),
+                                 **_fp8_bytes(fp8)))
+        if rep == 0:
+            tensors = R.snapshot_tensors(fp8)
+            names_not_quantized = {n for n, t in tensors.items() if t[1] != "F8_E4M3" and not n.endswith("_scale_inv")}
+            c = check_first(fp8, expected, names_not_quantized)
+            c["hf_fp8"] = hf_check(hf_python, fp8, bf16)
+            c["ok"] = c["verify_ok"] and c["hf_fp8"]["ok"] and not c["tensors"]["differ"] and not c["tensors"]["missing"]
+            checks["fp8"].append(c)
+            first["fp8"] = safetensors_digests(fp8)
+        else:
+            checks["fp8"].append(check_again(fp8, first["fp8"]))
+        shutil.rmtree(fp8)
+        shutil.rmtree(bf16)
+        _settle()
+        raw = work / "raw.bin"
+        with Watch() as w, C.CpuShare() as cpu:
+            n = write_raw(raw, model)
+        runs["raw"].append(w.row(bytes=n, cpu=cpu.as_dict()))
+        raw.unlink()
+    drv16.end()
+    drv8.end()
+    return {"runs": runs, "checks": checks, "first_files_blake3": first["bf16"]}
+
+
+def _fp8_bytes(snapshot: Path) -> dict:
+    tensors = R.snapshot_tensors(snapshot)
+    q = sum(t[4] - t[3] for n, t in tensors.items() if t[1] == "F8_E4M3" or n.endswith("_scale_inv"))
+    return {"tensor_bytes": sum(t[4] - t[3] for t in tensors.values()), "quantized_part_bytes": q}
+
+
+def async_part(model, case: str, work: Path, reps: int, train_s: float, first_bf16: dict, expected: dict,
+               snapshot_bytes: int) -> dict:
+    overrides = ["export.async_write=true"]
+    if case != "default":
+        overrides.append(f"export.max_pending_bytes={max(1, int(float(case) * snapshot_bytes))}B")
+    drv = Driver(work / f"async-{case}", overrides)
+    before = R.meminfo()["MemAvailable"]
+    with Watch() as setup:
+        drv.begin(model)  # the ring is sized from MemAvailable now, and faulted in
+    ring = drv.cb.session._ring.size if drv.cb.session._ring is not None else 0
+    stalls, totals, checks, paths = [], [], [], []
+    with Watch() as w:
+        for rep in range(reps):
+            if rep:
+                stalls[-1] += drv.wait_pending()  # the next save first waits for the previous export
+                totals.append(drv.cb.snapshots[-1].seconds)
+            t0 = time.perf_counter()
+            info = drv.save(100 + rep, model)
+            stalls.append(time.perf_counter() - t0)
+            paths.append(Path(info.path))
+            time.sleep(train_s)  # training goes on; the writer drains the ring meanwhile
+        stalls[-1] += drv.end()
+        totals.append(drv.cb.snapshots[-1].seconds)
+    for i, p in enumerate(paths):
+        checks.append(check_first(p, expected) if i == 0 else check_again(p, first_bf16))
+        if i == 0:
+            checks[0]["same_files_as_sync"] = safetensors_digests(p) == first_bf16
+        shutil.rmtree(p)
+    out = {"case": case, "ring_bytes": ring, "mem_available_before_bytes": before,
+           "mem_available_after_ring_bytes": setup.low, "setup_seconds": round(setup.seconds, 3),
+           "setup_extra_rss_bytes": setup.peak - setup.baseline, "stalls_s": [round(s, 4) for s in stalls],
+           "export_seconds": [round(s, 4) for s in totals], "train_seconds": train_s,
+           "peak_extra_rss_bytes": w.peak - setup.baseline, "mem_available_low_bytes": min(w.low, setup.low),
+           "checks": checks}
+    del drv
+    gc.collect()
+    C.trim_heap()
+    return out
+
+
+def checkpoint_part(model, d: dict, root: Path, parts: int) -> dict:
+    """The flex checkpoint, as the Trainer's save writes it (``parts`` > 1: as that many pipeline ranks would)."""
+    import paddle.distributed as dist
+
+    ckpt = root / "checkpoint-1" / "model_state"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(dict(d, architectures=["LlamaForCausalLM"], dtype="bfloat16")))
+    sd = model.sharded_state_dict()
+    with Watch() as w:
+        if parts == 1:
+            dist.save_state_dict(sd, str(ckpt))
+        else:
+            save_in_parts(sd, root, ckpt, parts)
+    return w.row(parts=parts, files=C.tree_bytes(ckpt))
+
+
+def save_in_parts(sd: dict, root: Path, ckpt: Path, parts: int) -> None:
+    """Paddle's ``save_state_dict`` holds twice the tensors it saves besides them (numpy copies of all, then
+    pickle's bytes of each, alive until the dump ends: measured 2.00x): a 15 GB model cannot be saved from a
+    24 GB host in one call. Each part (consecutive tensors, about equal bytes) is saved by its own call, and the
+    parts' metadata merged as ``save_state_dict``'s coordinator merges its ranks' (``{rank}_0.distcp`` files, one
+    ``0.metadata``): the checkpoint a pipeline-parallel job of ``parts`` ranks writes."""
+    import paddle
+    from paddle.distributed.flex_checkpoint.dcp.metadata import Metadata
+    from paddle.distributed.flex_checkpoint.dcp.save_state_dict import dedup_key_in_dict
+    from paddle.distributed.flex_checkpoint.dcp.utils import merge_state_dict_metadata
+
+    keys = list(sd)
+    sizes = [int(sd[k].local_tensor.numel()) for k in keys]
+    total, groups, acc = sum(sizes), [[]], 0
+    for k, n in zip(keys, sizes):
+        if acc >= total * len(groups) / parts and len(groups) < parts:
+            groups.append([])
+        groups[-1].append(k)
+        acc += n
+    metas = []
+    ckpt.mkdir(parents=True, exist_ok=True)
+    for i, group in enumerate(groups):
+        part = root / f"part-{i}"
+        paddle.distributed.save_state_dict({k: sd[k] for k in group}, str(part))
+        metas.append(paddle.load(str(part / "0.metadata")))
+        os.replace(part / "0_0.distcp", ckpt / f"{i}_0.distcp")
+        shutil.rmtree(part)
+        gc.collect()
+    merged = Metadata(state_dict_metadata=merge_state_dict_metadata([m.state_dict_metadata for m in metas]),
+                      storage_metadata={lti: f"{i}_0.distcp" for i, m in enumerate(metas) for lti in m.storage_metadata},
+                      flat_mapping=dedup_key_in_dict([m.flat_mapping for m in metas]))
+    paddle.save(merged, str(ckpt / "0.metadata"))
+
+
+def pf_part(d: dict, work: Path, reps: int) -> dict:
+    """``save_pretrained`` (what PaddleFormers users run today) against the callback's export, same model, same
+    disk, alternating; at ``d``'s size (the parent picks the largest that fits beside the model)."""
+    model = build(d)
+    drv, runs = Driver(work / "pf_ours"), {"ours": [], "save_pretrained": []}
+    drv.begin(model)
+    for rep in range(reps):
+        for v in (("ours", "save_pretrained") if rep % 2 == 0 else ("save_pretrained", "ours")):
+            _settle()
+            if v == "ours":
+                with Watch() as w:
+                    info = drv.save(rep + 1, model)
+                runs[v].append(w.row(bytes=info.bytes, verify_ok=verify(Path(info.path))["verify_ok"]))
+                shutil.rmtree(info.path)
+            else:
+                target = work / "pf_save"
+                with Watch() as w:
+                    model.save_pretrained(str(target), save_checkpoint_format="flex_checkpoint", max_shard_size=SHARD["size"])
+                    os.sync()
+                runs[v].append(w.row(bytes=sum(C.tree_bytes(target).values())))
+                shutil.rmtree(target)
+    drv.end()
+    return {"model_bytes": C.parameter_bytes(model), "layers": d["num_hidden_layers"], "runs": runs,
+            "call": 'model.save_pretrained(dir, save_checkpoint_format="flex_checkpoint", max_shard_size="5GB"); os.sync()'}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dims", required=True)
+    ap.add_argument("--work", required=True, type=Path)
+    ap.add_argument("--part", choices=("single", "pf"), default="single")
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--ref-reps", type=int, default=1)
+    ap.add_argument("--async-cases", default="default")
+    ap.add_argument("--async-reps", type=int, default=2)
+    ap.add_argument("--train-seconds", type=float, default=0.0, help="0: 1.5x the synchronous export's median")
+    ap.add_argument("--checkpoint-parts", type=int, default=1)
+    ap.add_argument("--hf-python", default="")
+    ap.add_argument("--max-shard-size", default="5GB")
+    ns = ap.parse_args()
+    SHARD["size"] = ns.max_shard_size
+    C.quiet_logs()
+    d = json.loads(ns.dims)
+    ns.work.mkdir(parents=True, exist_ok=True)
+    if ns.part == "pf":
+        print(json.dumps(pf_part(d, ns.work, ns.reps)), flush=True)
+        return
+    out = {"oom_kills_before": R.oom_kills(), "memcpy_gb_s": memcpy_gb_s()}
+    out["ref"] = ref_part(ns.work, ns.ref_reps)
+    t0 = time.perf_counter()
+    model = build(d)
+    out["build_seconds"] = round(time.perf_counter() - t0, 1)
+    out["model_bytes"] = C.parameter_bytes(model)
+    out["rss_with_model_bytes"] = C.rss_bytes()
+    out["mem_available_with_model_bytes"] = R.meminfo()["MemAvailable"]
+    t0 = time.perf_counter()
+    expected = expected_digests(model, d)
+    out["expected_digests_seconds"] = round(time.perf_counter() - t0, 1)
+    out["expected"] = {k: list(v) for k, v in expected.items()}
+    out["sync"] = sync_part(model, expected, ns.work, ns.reps, ns.hf_python)
+    snap_bytes = out["sync"]["runs"]["bf16"][0]["bytes"]
+    train_s = ns.train_seconds or max(0.2, round(1.5 * C.median([r["seconds"] for r in out["sync"]["runs"]["bf16"]]), 1))
+    out["async"] = [async_part(model, case, ns.work, ns.async_reps, train_s, out["sync"]["first_files_blake3"],
+                               expected, snap_bytes) for case in ns.async_cases.split(",") if case]
+    out["checkpoint"] = checkpoint_part(model, d, ns.work / "ckpt", ns.checkpoint_parts)
+    out["oom_kills_after"] = R.oom_kills()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
