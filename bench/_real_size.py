@@ -32,7 +32,7 @@ SCALES = {
     # 128, as the real ones are: FP8 blocks whole (transformers misreads partial ones: plan/quantization.py)
 }
 BF16 = 2
-_LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")  # Paddle [in, out]: the HF file holds the transpose
+LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")  # Paddle [in, out]: the HF file holds the transpose
 CHUNK = 64 * 2**20  # bytes read or hashed at a time
 
 
@@ -149,7 +149,7 @@ def missing(need: dict, state: dict) -> Optional[str]:
 def hf_array(name: str, paddle_array):
     """A parameter's values (numpy, bfloat16 as uint16 bits) in the HF layout: a view, transposed where the
     HF file holds the transpose."""
-    return paddle_array.T if _LINEAR.search(name) else paddle_array
+    return paddle_array.T if LINEAR.search(name) else paddle_array
 
 
 def digest_array(a) -> str:

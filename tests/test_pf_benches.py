@@ -26,11 +26,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 RECORDED = BENCH / "results"
-HELPERS = {"_common", "assembler_ranks"}  # imported or launched by the benchmarks below, not run alone
+HELPERS = {"_common", "assembler_ranks", "_real_size", "_real_size_single", "_real_size_ranks", "_real_size_summary"}  # imported or launched by the benchmarks below, not run alone
 TIMEOUT_S = 480
 # reads those benchmarks' JSONs (so it runs after them; a missing one stops it: test_a_missing_input_stops_the_benchmark)
 NEEDS = {"thread_scaling": ("export_single",), "export_ranks": ("assembler", "export_single")}
-LAUNCHES = {"export_ranks", "assembler", "nodes_traffic", "visibility", "export_fp8"}  # start paddle.distributed.launch
+LAUNCHES = {"export_ranks", "assembler", "nodes_traffic", "visibility", "export_fp8", "real_size"}  # start paddle.distributed.launch
 
 # benchmark: {path in its JSON: None (present) or the value it must have}; the longest tiny runs first
 BENCHES = {
@@ -63,6 +63,17 @@ BENCHES = {
                    ("single", "facts", "one_thread_ns_per_element"): None,
                    ("ranks", "regimes", "tmpfs", "median_paired_time_ratio"): None,
                    ("ranks", "regimes", "tmpfs", "quantized_bytes_ratio"): None},
+    "real_size": {("table", "live", "ratio_vs_cp", "median_paired"): None, ("table", "live", "peak_extra_rss_fraction"): None,
+                  ("table", "live", "seconds_per_byte_ratio_vs_ref"): None,
+                  ("table", "live", "save_pretrained", "ratio", "median_paired"): None,
+                  ("table", "fp8", "time_ratio", "median_paired"): None, ("table", "fp8", "quantized_bytes_ratio"): None,
+                  ("table", "async", 0, "ring_bytes"): None, ("table", "async", 1, "stall_over_floor"): None,
+                  ("table", "mp2", "per_rank", "1", "as_predicted"): True, ("table", "mp2", "time_ratio"): None,
+                  ("table", "convert", "ratio_vs_raw_copy", "median_paired"): None,
+                  ("table", "convert", "peak_extra_rss_fraction"): None, ("checks", "bf16_first_tensor_by_tensor"): True,
+                  ("checks", "bf16_transformers_meta"): True, ("checks", "fp8_first"): True, ("checks", "async_snapshots"): True,
+                  ("checks", "convert_tensor_by_tensor_and_meta"): True, ("checks", "mp2_halves_verify_meta"): True,
+                  ("checks", "no_oom_kill"): True},
     "lora_merge": {("regimes", "tmpfs", "time_ratio_merged_vs_plain"): None,
                    ("regimes", "tmpfs", "peak_extra_rss_bytes", "merged"): None,
                    ("regimes", "tmpfs", "snapshot_bytes", "merged_adapter"): None},
