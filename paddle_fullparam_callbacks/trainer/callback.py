@@ -117,7 +117,9 @@ class FullParamExportCallback:
         session.start(resume=bool(getattr(state, "global_step", 0)), shared=shared)
         try:
             self._source = build_model_source(model, self.config, tokenizer, warn_no_tokenizer=warn)
-            prepared = session.prepare(self._source)
+            # the async staging ring waits for the first step's end (on_step_end): sized from the memory the
+            # training leaves once its optimizer has created its states (ring_size.py)
+            prepared = session.prepare(self._source, ring=False)
             self.serving.check(ctx, self._source, prepared)  # every engine proven, against the plan's tensors
         except BaseException:  # refused at start: the directory is released (and removed, if it made it)
             session.close()
@@ -139,6 +141,8 @@ class FullParamExportCallback:
 
     def on_step_end(self, args, state, control, **kwargs):
         self._drain(state)
+        if self.session is not None and self.session.is_open:
+            self.session.stage_ring()  # the first step's end: the async ring, once (no collective)
         n = self.config.trigger.every_n_steps
         if n and state.global_step > 0 and state.global_step % n == 0:
             self._event(args, state, kwargs, "every_n_steps")
