@@ -13,8 +13,9 @@ Not meant to be run by hand (``bench/real_size.py`` starts it). In order:
    ``cp -r`` of that snapshot + fsync, ``fp8`` (the same with ``export.quantization=fp8``) and its checks, ``raw``
    (a ``pwrite`` loop of the parameters' bytes + fsync: the disk's write rate for the same bytes);
 4. ``async``, per case (``default``: the defaults; a fraction: ``export.max_pending_bytes`` set to that share of
-   the snapshot, a ring that cannot hold it as on a host the model fills): ``on_train_begin`` (the ring is sized
-   and faulted in then), ``--reps`` ``on_save`` calls with ``--train-seconds`` of training between them, then
+   the snapshot, a ring that cannot hold it as on a host the model fills): ``on_train_begin``, the first
+   ``on_step_end`` (the ring is sized from MemAvailable and faulted in then), ``--reps`` exports (each paired with a
+   raw write just before it: the disk's rate of its floor) with ``--train-seconds`` of training between them, then
    ``on_train_end``; the stall of an export is its ``on_save`` plus the wait the next event has for it;
 5. the PaddleFormers flex checkpoint of the model (``paddle.distributed.save_state_dict(model.sharded_state_dict())``
    as the Trainer's save calls it), for the conversion the parent times after this process is gone.
@@ -44,6 +45,7 @@ import _common as C  # noqa: E402
 import _real_size as R  # noqa: E402
 
 PIECE = 16 * 2**20  # bytes per pwrite of the raw writer
+QUIET_WAIT = 30.0  # seconds to wait at most for idle CPUs before a timed run
 SHARD = {"size": "5GB"}  # export.max_shard_size of every export (--max-shard-size: the tiny mode's several files)
 
 
@@ -85,8 +87,8 @@ class Watch:
 
 
 class Driver:
-    """A callback driven as a Trainer drives it: ``on_train_begin``, ``on_save`` at each checkpoint step,
-    ``on_train_end``. ``args`` holds the fields the callback reads of TrainingArguments."""
+    """A callback driven as a Trainer drives it: ``on_train_begin``, ``on_step_end`` and ``on_save`` at each
+    checkpoint step, ``on_train_end``. ``args`` holds the fields the callback reads of TrainingArguments."""
 
     def __init__(self, out: Path, overrides=()):
         from paddleformers.trainer.trainer_callback import TrainerControl, TrainerState
@@ -101,8 +103,14 @@ class Driver:
     def begin(self, model) -> None:
         self.cb.on_train_begin(self.args, self.state, self.control, model=model)
 
-    def save(self, step: int, model):
+    def step_end(self, step: int, model) -> None:
+        """A training step's end (the async ring is made at the first: ``ring_size.py``)."""
         self.state.global_step = step
+        self.cb.on_step_end(self.args, self.state, self.control, model=model)
+
+    def save(self, step: int, model):
+        """The trainer's save at ``step``: ``on_step_end`` then ``on_save``, as both trainers call them."""
+        self.step_end(step, model)
         self.cb.on_save(self.args, self.state, self.control, model=model)
         return self.cb.snapshots[-1]
 
@@ -252,9 +260,11 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _settle() -> None:
-    """No dirty pages of the last run in the next one's time."""
+def _settle() -> dict:
+    """No dirty pages of the last run in the next one's time; CPUs idle if they become so within QUIET_WAIT
+    (the machine is shared: what it saw is recorded)."""
     os.sync()
+    return C.wait_quiet(QUIET_WAIT)
 
 
 # ---- the parts -----------------------------------------------------------------------------------
@@ -288,10 +298,10 @@ def sync_part(model, expected: dict, work: Path, reps: int, hf_python: str) -> d
     names_not_quantized = None
     for rep in range(reps):
         step = rep + 1
-        _settle()
+        q = _settle()
         with Watch() as w, C.CpuShare() as cpu:
             info = drv16.save(step, model)
-        runs["bf16"].append(w.row(bytes=info.bytes, cpu=cpu.as_dict(), timings=dict(info.timings)))
+        runs["bf16"].append(w.row(bytes=info.bytes, cpu=cpu.as_dict(), timings=dict(info.timings), quiet=q))
         bf16 = Path(info.path)
         if rep == 0:
             checks["bf16"].append(check_first(bf16, expected))
@@ -299,17 +309,17 @@ def sync_part(model, expected: dict, work: Path, reps: int, hf_python: str) -> d
             first["bf16"] = safetensors_digests(bf16)
         else:
             checks["bf16"].append(check_again(bf16, first["bf16"]))
-        _settle()
+        q = _settle()
         copy = work / "cp_copy"
         with Watch() as w, C.CpuShare() as cpu:
             cp_r(bf16, copy)
-        runs["cp"].append(w.row(bytes=sum(C.tree_bytes(copy).values()), cpu=cpu.as_dict()))
+        runs["cp"].append(w.row(bytes=sum(C.tree_bytes(copy).values()), cpu=cpu.as_dict(), quiet=q))
         shutil.rmtree(copy)
-        _settle()
+        q = _settle()
         with Watch() as w, C.CpuShare() as cpu:
             info8 = drv8.save(step, model)
         fp8 = Path(info8.path)
-        runs["fp8"].append(w.row(bytes=info8.bytes, cpu=cpu.as_dict(), timings=dict(info8.timings),
+        runs["fp8"].append(w.row(bytes=info8.bytes, cpu=cpu.as_dict(), timings=dict(info8.timings), quiet=q,
                                  **_fp8_bytes(fp8)))
         if rep == 0:
             tensors = R.snapshot_tensors(fp8)
@@ -323,11 +333,11 @@ def sync_part(model, expected: dict, work: Path, reps: int, hf_python: str) -> d
             checks["fp8"].append(check_again(fp8, first["fp8"]))
         shutil.rmtree(fp8)
         shutil.rmtree(bf16)
-        _settle()
+        q = _settle()
         raw = work / "raw.bin"
         with Watch() as w, C.CpuShare() as cpu:
             n = write_raw(raw, model)
-        runs["raw"].append(w.row(bytes=n, cpu=cpu.as_dict()))
+        runs["raw"].append(w.row(bytes=n, cpu=cpu.as_dict(), quiet=q))
         raw.unlink()
     drv16.end()
     drv8.end()
@@ -342,35 +352,53 @@ def _fp8_bytes(snapshot: Path) -> dict:
 
 def async_part(model, case: str, work: Path, reps: int, train_s: float, first_bf16: dict, expected: dict,
                snapshot_bytes: int) -> dict:
+    """Each export paired with a raw write of the same bytes just before it, with the ring already taken (the
+    disk's rate varies by the minute here, and the ring's memory is memory the page cache no longer has): the
+    floor of that export is computed from that write. A snapshot is checked and removed once committed."""
     overrides = ["export.async_write=true"]
     if case != "default":
         overrides.append(f"export.max_pending_bytes={max(1, int(float(case) * snapshot_bytes))}B")
     drv = Driver(work / f"async-{case}", overrides)
+    drv.begin(model)
     before = R.meminfo()["MemAvailable"]
     with Watch() as setup:
-        drv.begin(model)  # the ring is sized from MemAvailable now, and faulted in
+        drv.step_end(1, model)  # the first step's end: the ring is sized from MemAvailable now, and faulted in
     ring = drv.cb.session._ring.size if drv.cb.session._ring is not None else 0
-    stalls, totals, checks, paths = [], [], [], []
+    stalls, totals, checks, raw_s, at_export, foreign = [], [], [], [], [], []
+
+    def finished(info) -> None:
+        p = Path(info.path)
+        totals.append(info.seconds)
+        checks.append(check_first(p, expected) if not checks else check_again(p, first_bf16))
+        if len(checks) == 1:
+            checks[0]["same_files_as_sync"] = safetensors_digests(p) == first_bf16
+        shutil.rmtree(p)
+
     with Watch() as w:
         for rep in range(reps):
             if rep:
                 stalls[-1] += drv.wait_pending()  # the next save first waits for the previous export
-                totals.append(drv.cb.snapshots[-1].seconds)
+                finished(drv.cb.snapshots[-1])
+            _settle()
             t0 = time.perf_counter()
-            info = drv.save(100 + rep, model)
-            stalls.append(time.perf_counter() - t0)
-            paths.append(Path(info.path))
+            write_raw(work / "raw.bin", model)
+            raw_s.append(time.perf_counter() - t0)
+            (work / "raw.bin").unlink()
+            _settle()
+            at_export.append(R.meminfo()["MemAvailable"])
+            with C.CpuShare() as cpu:
+                t0 = time.perf_counter()
+                drv.save(100 + rep, model)
+                stalls.append(time.perf_counter() - t0)
+            foreign.append(round(cpu.foreign_fraction, 3))
             time.sleep(train_s)  # training goes on; the writer drains the ring meanwhile
         stalls[-1] += drv.end()
-        totals.append(drv.cb.snapshots[-1].seconds)
-    for i, p in enumerate(paths):
-        checks.append(check_first(p, expected) if i == 0 else check_again(p, first_bf16))
-        if i == 0:
-            checks[0]["same_files_as_sync"] = safetensors_digests(p) == first_bf16
-        shutil.rmtree(p)
+        finished(drv.cb.snapshots[-1])
     out = {"case": case, "ring_bytes": ring, "mem_available_before_bytes": before,
-           "mem_available_after_ring_bytes": setup.low, "setup_seconds": round(setup.seconds, 3),
-           "setup_extra_rss_bytes": setup.peak - setup.baseline, "stalls_s": [round(s, 4) for s in stalls],
+           "mem_available_after_ring_bytes": setup.low, "mem_available_at_export_bytes": at_export,
+           "setup_seconds": round(setup.seconds, 3), "setup_extra_rss_bytes": setup.peak - setup.baseline,
+           "stalls_s": [round(s, 4) for s in stalls], "raw_s": [round(s, 4) for s in raw_s],
+           "others_cpu_share_in_save": foreign,
            "export_seconds": [round(s, 4) for s in totals], "train_seconds": train_s,
            "peak_extra_rss_bytes": w.peak - setup.baseline, "mem_available_low_bytes": min(w.low, setup.low),
            "checks": checks}
