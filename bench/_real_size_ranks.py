@@ -57,7 +57,7 @@ def check_own_half(model, snapshot: Path) -> dict:
     """Each slice this rank holds, read back from the files at its offset, against the parameter's bytes."""
     import numpy as np
 
-    from _real_size_single import param_view
+    from _real_size_checks import param_view
 
     tensors = R.snapshot_tensors(snapshot)
     wrong, checked, nbytes = [], 0, 0

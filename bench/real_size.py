@@ -65,7 +65,7 @@ def _child(argv, timeout, env=None) -> dict:
 
 
 def _hf(hf_python: str, snapshot: Path) -> dict:
-    from _real_size_single import hf_check
+    from _real_size_checks import hf_check
 
     return hf_check(hf_python, snapshot)
 
@@ -112,7 +112,7 @@ def convert_phase(ckpt_root: Path, work: Path, reps: int, expected: dict, hf: st
             r["loadavg"] = os.getloadavg()
             runs[v].append({k: r.get(k) for k in ("seconds", "rss_extra", "cpu", "prepare_s", "timings", "loadavg")})
             if v == "convert" and rep == 0:
-                from _real_size_single import check_first
+                from _real_size_checks import check_first
 
                 snap = Path(r["snapshot"])
                 checks = check_first(snap, expected)
@@ -131,7 +131,7 @@ def ranks_phase(d: dict, work: Path, reps: int, shard: str, hf: str) -> dict:
     sys.path.insert(0, str(REPO / "tests" / "multirank"))
     import harness
 
-    from _real_size_single import verify
+    from _real_size_checks import verify
 
     out = work / "mp2"
     res = harness.run_launch(BENCH / "_real_size_ranks.py", ["--dims", json.dumps(d), "--out", out, "--reps", reps,
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--convert-reps", type=int, default=C.tiny(3, 1))
     ap.add_argument("--pf-reps", type=int, default=C.tiny(2, 1))
     ap.add_argument("--mp2-reps", type=int, default=C.tiny(2, 1))
-    ap.add_argument("--checkpoint-parts", type=int, default=0, help="0: one save_state_dict call if its 2x fits")
+    ap.add_argument("--checkpoint-parts", type=int, default=0, help="0: one save_state_dict call if its 2x fits beside the model then, else parts that fit")
     ap.add_argument("--max-shard-size", default=C.tiny("5GB", "256KB"))
     ap.add_argument("--parts", default="single,convert,pf,mp2", help="comma-separated subset (for development)")
     ap.add_argument("--work-dir", default="/tmp", help="where everything is written (the machine's disk)")
@@ -181,12 +181,9 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     try:
         if "single" in parts or "convert" in parts:
-            parts_n = ns.checkpoint_parts or (1 if R.meminfo()["MemAvailable"] > (1 + R.PF_SAVE_FACTOR)
-                                              * R.model_bytes(d) + R.PROCESS_OVERHEAD + 2 * R.GB else
-                                              -(-R.model_bytes(d) // (2 * R.GB)))
             argv = ["--dims", json.dumps(d), "--work", str(work), "--reps", str(ns.reps), "--ref-reps", str(ns.ref_reps),
                     "--async-cases", cases, "--async-reps", str(ns.async_reps), "--train-seconds", str(ns.train_seconds),
-                    "--checkpoint-parts", str(C.tiny(parts_n, 2)), "--hf-python", hf, "--max-shard-size", ns.max_shard_size]
+                    "--checkpoint-parts", str(C.tiny(ns.checkpoint_parts, 2)), "--hf-python", hf, "--max-shard-size", ns.max_shard_size]
             print(f"phase 1: one process ({scale}, {R.model_bytes(d) / 1e9:.2f} GB) ...", flush=True)
             result["phases"]["single"] = _child(argv, timeout=4 * 3600)
             result["conditions"]["after_single"] = R.machine_state(ns.work_dir)

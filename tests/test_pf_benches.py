@@ -26,7 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 RECORDED = BENCH / "results"
-HELPERS = {"_common", "assembler_ranks", "_real_size", "_real_size_single", "_real_size_ranks", "_real_size_summary"}  # imported or launched by the benchmarks below, not run alone
+HELPERS = {"_common", "assembler_ranks", "_real_size", "_real_size_checks", "_real_size_single",
+           "_real_size_ranks", "_real_size_summary"}  # imported or launched by the benchmarks below, not run alone
 TIMEOUT_S = 480
 # reads those benchmarks' JSONs (so it runs after them; a missing one stops it: test_a_missing_input_stops_the_benchmark)
 NEEDS = {"thread_scaling": ("export_single",), "export_ranks": ("assembler", "export_single")}
