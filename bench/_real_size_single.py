@@ -203,12 +203,10 @@ def ref_part(work: Path, reps: int) -> dict:
     model = C.build_llama(seed=0)
     drv, rows = Driver(work / "ref"), []
     drv.begin(model)
+    steps = iter(range(1, 10**6))
     for rep in range(reps):
-        _settle()
-        with Watch() as w:
-            info = drv.save(rep + 1, model)
-        rows.append(w.row(bytes=info.bytes))
-        shutil.rmtree(info.path)
+        row, n = least_disturbed(lambda: drv.save(next(steps), model), after=lambda info: _size_and_remove(info.path) and info.bytes)
+        rows.append(dict(row, bytes=n))
     drv.end()
     out = {"model_bytes": C.parameter_bytes(model), "dtype": "float32", "config": C.LLAMA_KWARGS, "runs": rows}
     shutil.rmtree(work / "ref", ignore_errors=True)
@@ -218,21 +216,23 @@ def ref_part(work: Path, reps: int) -> dict:
     return out
 
 
-def least_disturbed(fn, discard):
-    """``fn()`` timed (Watch, CpuShare) after ``_settle()``; run again, up to RETRIES times, while other processes
-    used more than DISTURBED of the CPUs meanwhile (the machine is shared), ``discard(value)`` called on every
-    result not kept. Returns (row, value) of the least disturbed try; the row counts the tries."""
+def least_disturbed(fn, discard=None, after=None):
+    """``fn()`` timed (Watch, CpuShare) after ``_settle()``, then ``after(value)`` untimed (what a try leaves, e.g.
+    counted and removed); run again, up to RETRIES times, while other processes used more than DISTURBED of the
+    CPUs meanwhile (the machine is shared), ``discard(value)`` on every value not kept. Returns (row, value) of
+    the least disturbed try; the row counts the tries."""
     best, tries = None, 0
     for tries in range(1, RETRIES + 1):
         q = _settle()
         with Watch() as w, C.CpuShare() as cpu:
             value = fn()
+        value = after(value) if after is not None else value
         row = w.row(cpu=cpu.as_dict(), quiet=q)
         if best is None or row["cpu"]["foreign_fraction"] < best[0]["cpu"]["foreign_fraction"]:
-            if best is not None:
+            if best is not None and discard is not None:
                 discard(best[1])
             best = (row, value)
-        else:
+        elif discard is not None:
             discard(value)
         if row["cpu"]["foreign_fraction"] <= DISTURBED:
             break
@@ -266,9 +266,8 @@ def sync_part(model, expected: dict, work: Path, reps: int, hf_python: str) -> d
         else:
             checks["bf16"].append(check_again(bf16, first["bf16"]))
         copy = work / "cp_copy"
-        row, _ = least_disturbed(lambda: cp_r(bf16, copy), lambda _: shutil.rmtree(copy))
-        runs["cp"].append(dict(row, bytes=sum(C.tree_bytes(copy).values())))
-        shutil.rmtree(copy)
+        row, n = least_disturbed(lambda: cp_r(bf16, copy), after=lambda _: _size_and_remove(copy))
+        runs["cp"].append(dict(row, bytes=n))
         row, info8 = least_disturbed(lambda: drv8.save(next(steps), model), discard)
         fp8 = Path(info8.path)
         runs["fp8"].append(dict(row, bytes=info8.bytes, timings=dict(info8.timings), **_fp8_bytes(fp8)))
@@ -285,12 +284,17 @@ def sync_part(model, expected: dict, work: Path, reps: int, hf_python: str) -> d
         shutil.rmtree(fp8)
         shutil.rmtree(bf16)
         raw = work / "raw.bin"
-        row, n = least_disturbed(lambda: write_raw(raw, model), lambda _: raw.unlink())
+        row, n = least_disturbed(lambda: write_raw(raw, model), after=lambda _: _size_and_remove(raw))
         runs["raw"].append(dict(row, bytes=n))
-        raw.unlink()
     drv16.end()
     drv8.end()
     return {"runs": runs, "checks": checks, "first_files_blake3": first["bf16"]}
+
+
+def _size_and_remove(path: Path) -> int:
+    n = sum(C.tree_bytes(path).values()) if path.is_dir() else path.stat().st_size
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return n
 
 
 def _fp8_bytes(snapshot: Path) -> dict:
