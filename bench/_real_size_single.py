@@ -205,7 +205,7 @@ def ref_part(work: Path, reps: int) -> dict:
     drv.begin(model)
     steps = iter(range(1, 10**6))
     for rep in range(reps):
-        row, n = least_disturbed(lambda: drv.save(next(steps), model), after=lambda info: _size_and_remove(info.path) and info.bytes)
+        row, n = least_disturbed(lambda: drv.save(next(steps), model), after=_snapshot_bytes_removed)
         rows.append(dict(row, bytes=n))
     drv.end()
     out = {"model_bytes": C.parameter_bytes(model), "dtype": "float32", "config": C.LLAMA_KWARGS, "runs": rows}
@@ -295,6 +295,11 @@ def _size_and_remove(path: Path) -> int:
     n = sum(C.tree_bytes(path).values()) if path.is_dir() else path.stat().st_size
     shutil.rmtree(path) if path.is_dir() else path.unlink()
     return n
+
+
+def _snapshot_bytes_removed(info) -> int:
+    shutil.rmtree(info.path)
+    return info.bytes
 
 
 def _fp8_bytes(snapshot: Path) -> dict:
