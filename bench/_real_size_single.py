@@ -51,7 +51,8 @@ PIECE = 16 * 2**20  # bytes per pwrite of the raw writer
 QUIET_WAIT = 30.0  # seconds to wait at most for idle CPUs before a timed run
 DISTURBED = 0.2  # others used more than this share of the CPUs during a run: it is repeated
 RETRIES = C.tiny(3, 1)  # tries at most (the least disturbed is kept)
-SHARD = {"size": "5GB"}  # export.max_shard_size of every export (--max-shard-size: the tiny mode's several files)
+SHARD = {"size": "5GB"}
+WRITER = {"stats": []}  # every export's writer breakdown (C.record_writer_stats), newest last  # export.max_shard_size of every export (--max-shard-size: the tiny mode's several files)
 
 
 class Watch:
@@ -256,8 +257,9 @@ def sync_part(model, expected: dict, work: Path, reps: int, hf_python: str) -> d
         shutil.rmtree(p)
 
     for rep in range(reps):
-        row, info = least_disturbed(lambda: drv16.save(next(steps), model), discard)
-        runs["bf16"].append(dict(row, bytes=info.bytes, timings=dict(info.timings)))
+        row, (info, writer) = least_disturbed(lambda: drv16.save(next(steps), model), lambda v: discard(v[0]),
+                                              after=lambda info: (info, _writer()))
+        runs["bf16"].append(dict(row, bytes=info.bytes, timings=dict(info.timings), writer=writer))
         bf16 = Path(info.path)
         if rep == 0:
             checks["bf16"].append(check_first(bf16, expected))
@@ -268,9 +270,10 @@ def sync_part(model, expected: dict, work: Path, reps: int, hf_python: str) -> d
         copy = work / "cp_copy"
         row, n = least_disturbed(lambda: cp_r(bf16, copy), after=lambda _: _size_and_remove(copy))
         runs["cp"].append(dict(row, bytes=n))
-        row, info8 = least_disturbed(lambda: drv8.save(next(steps), model), discard)
+        row, (info8, writer) = least_disturbed(lambda: drv8.save(next(steps), model), lambda v: discard(v[0]),
+                                               after=lambda info: (info, _writer()))
         fp8 = Path(info8.path)
-        runs["fp8"].append(dict(row, bytes=info8.bytes, timings=dict(info8.timings), **_fp8_bytes(fp8)))
+        runs["fp8"].append(dict(row, bytes=info8.bytes, timings=dict(info8.timings), writer=writer, **_fp8_bytes(fp8)))
         if rep == 0:
             tensors = R.snapshot_tensors(fp8)
             plain = {n for n, t in tensors.items() if t[1] != "F8_E4M3" and not n.endswith("_scale_inv")}
@@ -295,6 +298,12 @@ def _size_and_remove(path: Path) -> int:
     n = sum(C.tree_bytes(path).values()) if path.is_dir() else path.stat().st_size
     shutil.rmtree(path) if path.is_dir() else path.unlink()
     return n
+
+
+def _writer() -> dict:
+    """The kept try's writer: seconds per stage summed over its threads (copies, casts, hash, pwrite, waits)."""
+    stats = WRITER["stats"]
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in (stats[-1] if stats else {}).items()}
 
 
 def _snapshot_bytes_removed(info) -> int:
@@ -470,6 +479,7 @@ def main() -> None:
     if ns.part == "pf":
         print(json.dumps(pf_part(d, ns.work, ns.reps)), flush=True)
         return
+    WRITER["stats"] = C.record_writer_stats()
     out = {"oom_kills_before": R.oom_kills(), "memcpy_gb_s": memcpy_gb_s()}
     out["ref"] = ref_part(ns.work, ns.ref_reps)
     t0 = time.perf_counter()
