@@ -108,15 +108,17 @@ def main():
     for rep in range(ns.reps):
         ctx.barrier()
         k0 = A.tcp_counts(os.getpid())
-        t0 = time.perf_counter()
-        info = drv.save(rep + 1, model)
-        seconds = time.perf_counter() - t0
+        with C.CpuShare() as cpu:
+            t0 = time.perf_counter()
+            info = drv.save(rep + 1, model)
+            seconds = time.perf_counter() - t0
         k1 = A.tcp_counts(os.getpid())
         routes = drv.cb.session._prepared.routes
         own = routes.traffic.get(rank) if routes is not None else None
         row = {"seconds": round(seconds, 4), "kernel": A.tcp_delta(k0, k1),
                "plan_received": own.received if own else 0, "plan_sent": own.sent if own else 0,
-               "files_written_here": info.files_written_here, "snapshot": str(info.path)}
+               "files_written_here": info.files_written_here, "snapshot": str(info.path),
+               "timings": {k: round(v, 4) for k, v in info.timings.items()}, "cpu": cpu.as_dict()}
         ctx.barrier()
         row["check"] = check_own_half(model, Path(info.path))
         report["reps"].append(row)

@@ -48,6 +48,7 @@ from _real_size_checks import (  # noqa: E402
 )
 
 PIECE = 16 * 2**20  # bytes per pwrite of the raw writer
+WRITEBACK, SYNC_FILE_RANGE_WRITE = 64 * 2**20, 2  # the raw writer starts writeback every 64 MB (as the export's)
 QUIET_WAIT = 30.0  # seconds to wait at most for idle CPUs before a timed run
 DISTURBED = 0.2  # others used more than this share of the CPUs during a run: it is repeated
 RETRIES = C.tiny(3, 1)  # tries at most (the least disturbed is kept)
@@ -161,14 +162,25 @@ def cp_r(src: Path, dst: Path) -> None:
 
 
 def write_raw(path: Path, model) -> int:
-    """Each parameter's bytes (shared, not copied) by a pwrite loop into one file, then fsync."""
+    """Each parameter's bytes (shared, not copied) by a pwrite loop into one file, writeback started every
+    WRITEBACK bytes (``sync_file_range``, as the export's writer starts it), then fsync: the floor of writing
+    ready bytes. Without the early writeback the same loop ran 1.4-1.5 GB/s here, and once 0.11 GB/s (the
+    kernel flushing 2 GB of dirty pages at the fsync), against 2.25-2.28 GB/s with it (2 GB, 3 rounds)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    off = 0
+    off = started = 0
     try:
         for p in model.parameters():
             mv = memoryview(param_view(p).reshape(-1).view("uint8"))
             for i in range(0, len(mv), PIECE):
                 off += os.pwrite(fd, mv[i:i + PIECE], off)
+                if off - started >= WRITEBACK:
+                    if libc.sync_file_range(fd, ctypes.c_int64(started), ctypes.c_int64(off - started),
+                                            SYNC_FILE_RANGE_WRITE):
+                        raise OSError(ctypes.get_errno(), "sync_file_range failed")
+                    started = off
         os.fsync(fd)
     finally:
         os.close(fd)
