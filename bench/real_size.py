@@ -165,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mp2-reps", type=int, default=C.tiny(2, 1))
     ap.add_argument("--checkpoint-parts", type=int, default=0, help="0: one save_state_dict call if its 2x fits beside the model then, else parts that fit")
     ap.add_argument("--max-shard-size", default=C.tiny("5GB", "256KB"))
+    ap.add_argument("--pf-layers", type=int, help="at most this many layers for save_pretrained (default: what fits)")
     ap.add_argument("--parts", default="single,convert,pf,mp2", help="comma-separated subset (for development)")
     ap.add_argument("--work-dir", default="/tmp", help="where everything is written (the machine's disk)")
     ap.add_argument("--result", type=Path, default=RESULT_PATH)
@@ -194,7 +195,7 @@ def main(argv=None) -> int:
         shutil.rmtree(work / "ckpt", ignore_errors=True)
         if "pf" in parts:
             avail = R.meminfo()["MemAvailable"]
-            layers = R.pf_layers_that_fit(d, avail)
+            layers = min(R.pf_layers_that_fit(d, avail), ns.pf_layers if ns.pf_layers is not None else 10**6)
             pf_d = dict(d, num_hidden_layers=layers)
             print(f"phase 3: save_pretrained at {layers} of {d['num_hidden_layers']} layers "
                   f"({R.model_bytes(pf_d) / 1e9:.2f} GB) ...", flush=True)
