@@ -186,12 +186,16 @@ def main(argv=None) -> int:
                     "--async-cases", cases, "--async-reps", str(ns.async_reps), "--train-seconds", str(ns.train_seconds),
                     "--checkpoint-parts", str(C.tiny(ns.checkpoint_parts, 2)), "--hf-python", hf, "--max-shard-size", ns.max_shard_size]
             print(f"phase 1: one process ({scale}, {R.model_bytes(d) / 1e9:.2f} GB) ...", flush=True)
+            t0 = time.perf_counter()
             result["phases"]["single"] = _child(argv, timeout=4 * 3600)
+            result["phase_seconds"] = {"single": round(time.perf_counter() - t0, 1)}
             result["conditions"]["after_single"] = R.machine_state(ns.work_dir)
         if "convert" in parts:
             print("phase 2: convert against a raw copy ...", flush=True)
             expected = {k: (v[0], tuple(v[1]), v[2]) for k, v in result["phases"]["single"]["expected"].items()}
+            t0 = time.perf_counter()
             result["phases"]["convert"] = convert_phase(work / "ckpt", work, ns.convert_reps, expected, hf)
+            result.setdefault("phase_seconds", {})["convert"] = round(time.perf_counter() - t0, 1)
         shutil.rmtree(work / "ckpt", ignore_errors=True)
         if "pf" in parts:
             avail = R.meminfo()["MemAvailable"]
@@ -202,16 +206,20 @@ def main(argv=None) -> int:
             result["phases"]["pf"] = {"mem_available_bytes": avail, "fits_at_full_size": layers == d["num_hidden_layers"],
                                       "needs_at_this_size_bytes": int((1 + R.PF_SAVE_FACTOR) * R.model_bytes(d)
                                                                       + R.PROCESS_OVERHEAD)}
+            t0 = time.perf_counter()
             if layers:
                 result["phases"]["pf"].update(_child(["--part", "pf", "--dims", json.dumps(pf_d), "--work", str(work),
                                                       "--reps", str(ns.pf_reps), "--max-shard-size", ns.max_shard_size],
                                                      timeout=4 * 3600))
+            result.setdefault("phase_seconds", {})["pf"] = round(time.perf_counter() - t0, 1)
         if "mp2" in parts:
             short = R.missing(R.needs(d), R.machine_state(ns.work_dir))
             if short:
                 _stop(f"before the two-rank phase, not enough free {short}")
             print("phase 4: two ranks (mp2) ...", flush=True)
+            t0 = time.perf_counter()
             result["phases"]["mp2"] = ranks_phase(d, work, ns.mp2_reps, ns.max_shard_size, hf)
+            result.setdefault("phase_seconds", {})["mp2"] = round(time.perf_counter() - t0, 1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["conditions"]["after"] = R.machine_state(ns.work_dir)
