@@ -1,43 +1,49 @@
 """A 7B model on this machine (issue 47): live export, FP8, async, two ranks and convert at Qwen2.5-7B's dimensions,
 against ``cp -r``, a raw write, PaddleFormers' ``save_pretrained`` and a raw copy, in one run, on one disk.
 
-The full run (the lead's, in a quiet window: nothing else on the machine; about 25-35 minutes)::
+The full run (in a quiet window: nothing else on the machine, no vLLM servers; about 35-45 minutes)::
 
     cd <clone> && PYTHONPATH=$PWD PFC_HF_PYTHON=$(scripts/env.sh hf) $(scripts/env.sh paddleformers) bench/real_size.py
-    # -> bench/results/real_size.json; needs 20.4 GB of MemAvailable and 32.5 GB free in /tmp (checked first)
+    # -> bench/results/real_size.json (it replaces the mid-size run's); the log on stdout
 
-Smaller runs, same code (``--scale mid``: 4 layers, vocab 32000, 2.32 GB; ``--scale vocab``: 2 layers at the real
-vocabulary, 3.11 GB; ``--layers``/``--vocab`` override either)::
+It needs 19.4 GB of MemAvailable and 32.5 GB free in ``--work-dir`` (/tmp: the machine's disk), checked before
+anything is written (one line naming what is short); the model is 15.23 GB, the rest is two processes beside it
+and the export's extra; the disk holds two snapshots' worth at a time. Smaller runs, same code (``--scale mid``:
+4 layers, vocab 32000, 2.32 GB; ``--scale vocab``: 2 layers at the real vocabulary, 3.11 GB; ``--layers`` and
+``--vocab`` override either)::
 
     ... bench/real_size.py --scale mid --result bench/results/real_size.json
 
 The model: PaddleFormers ``LlamaForCausalLM`` (its Qwen2 class needs paddlefleet, which does not install here) with
 vocab 152064, 28 layers, hidden 3584, intermediate 18944, 28 heads, 4 KV heads, an untied head: 7.615 B
 parameters, 15.23 GB in bfloat16, 255 tensors, random weights built on the CPU (``paddle.seed(0)``), no optimizer.
-The callback is driven as a Trainer drives it (``on_train_begin``, then ``on_save``; defaults: 5GB shards).
+The callback is driven as a Trainer drives it (``on_train_begin``, then ``on_step_end`` and ``on_save``; the
+defaults: 5GB shards).
 
 Phases, each in its own process(es), in this order (``bench/_real_size_single.py`` and ``_real_size_ranks.py``
 say how each is measured):
 
 1. one process: the 0.67 GB model of ``export_single.py`` exported the same way (seconds per byte); the large
    model; ``--reps`` rounds of the live export, ``cp -r`` of its snapshot + fsync, the FP8 export, a raw
-   ``pwrite`` of the parameters + fsync (the disk's rate); the async cases (``default``; a fraction: a ring of that
-   share of the snapshot, as on a host the model fills); the PaddleFormers flex checkpoint of the model;
+   write of the parameters (allocated, written, fsynced: the disk's rate); the async cases (``default``; a
+   fraction: a ring of that share of the snapshot, as on a host the model fills); the PaddleFormers flex
+   checkpoint of the model (one ``save_state_dict`` call, or part by part where its 2x does not fit);
 2. ``convert`` of that checkpoint against a raw copy of its bytes (``bench/convert.py``'s children, interleaved);
 3. ``save_pretrained`` against the live export, at the largest size of the same widths whose save fits in memory
-   (it holds 2x the model beside it: at 15 GB it does not fit in 24 GB, and the JSON says so);
+   (it holds 2x the model beside it: at 15 GB it does not fit in 24 GB; the JSON says so and at what size);
 4. two ranks (mp2 over gloo, PaddleFormers' own tensor-parallel layers, each rank half): bytes each rank
    received, as the kernel counts them, against the plan's prediction; time against one process.
 
-Checks (a failed one stops the run, naming it): ``verify`` of every snapshot; every tensor read back and compared
-with the model's (first of each kind; a later one's files must have the first one's BLAKE3); transformers on the
-meta device (``tests/hf_client/check_real_size.py``, the hf environment) finds no missing, unexpected or
-mismatched key in the bf16, FP8, two-rank and converted snapshots; every FP8 weight equals transformers'
-``Fp8Quantize`` of the bf16 weight; no OOM kill (``/proc/vmstat``), no swap.
+Checks (a failed one ends the run with exit 1, naming it, after the JSON is written): ``verify`` of every
+snapshot; every tensor read back and compared with the model's (the first of each kind; a later one's files must
+have the first one's BLAKE3); transformers on the meta device (``tests/hf_client/check_real_size.py``, the hf
+environment) finds no missing, unexpected or mismatched key in the bf16, FP8, two-rank and converted snapshots;
+every FP8 weight equals transformers' ``Fp8Quantize`` of the bf16 weight; no OOM kill (``/proc/vmstat``), no swap.
 
-What to look at in the JSON: ``table`` (the five measures, their targets, met or not, and what bounds a miss),
-``conditions`` (load average, MemAvailable, disk free before and after), ``checks`` (all true), ``async`` (the ring
-the defaults chose, MemAvailable then, the floor), ``oom_kills``.
+What to look at in the JSON: ``checks`` (all true) and ``met`` (the targets); ``table`` (the five measures: each
+ratio paired by round, with the runs it comes from); ``table.async`` (the ring the defaults chose, MemAvailable
+before and after it and at each export, the floor of each export); ``table.live.save_pretrained`` (the size it
+ran at); ``conditions`` (load average, MemAvailable, disk free, OOM kills before and after); ``phase_seconds``.
 """
 from __future__ import annotations
 
