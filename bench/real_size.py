@@ -84,6 +84,13 @@ def hf_python() -> str:
         ["bash", str(REPO / "scripts" / "env.sh"), "hf"], capture_output=True, text=True, check=True).stdout.strip()
 
 
+def _run_label(scale: str, d: dict) -> str:
+    if scale == "full":
+        return "the 7.6 B run (Qwen2.5-7B's dimensions)"
+    return (f"a {scale}-size run ({d['num_hidden_layers']} layers, vocab {d['vocab_size']}, Qwen2.5-7B's widths): "
+            "NOT the 7.6 B run, which is pending (bench/real_size.py without --scale)")
+
+
 def _stop(what: str) -> None:
     raise SystemExit(f"real_size: {what}")
 
@@ -184,7 +191,7 @@ def main(argv=None) -> int:
     cases = ns.async_cases or ("default" if scale == "full" else "default,0.25")
     work = Path(tempfile.mkdtemp(prefix="pfc-real-size-", dir=ns.work_dir))
     result = {"benchmark": "real_size", "scale": scale, "dims": d, "model_bytes": R.model_bytes(d),
-              "full_run": scale == "full", "preflight": pre, "conditions": {"before": pre["before"]}, "phases": {}}
+              "full_run": scale == "full", "run": _run_label(scale, d), "preflight": pre, "conditions": {"before": pre["before"]}, "phases": {}}
     t_start = time.perf_counter()
     try:
         if "single" in parts or "convert" in parts:
