@@ -340,3 +340,21 @@ def test_a_tiny_runs_slow_assembly_rate_is_kept_not_rounded_to_zero(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = json.loads((results / "export_ranks.json").read_text())["scaling_model"]
     assert 0 < model["measured_inputs"]["assembly_gb_s_per_rank"]["routed"] < 1e-3
+
+
+def test_real_size_names_what_a_run_lacks_before_writing(tmp_path):
+    """bench/real_size.py (issue 47) checks memory and disk before it writes anything, from the model's size: the
+    7.6 B run's needs, and one line naming each figure that is short."""
+    sys.path.insert(0, str(BENCH))
+    import _real_size as R
+
+    full = R.needs(R.dims("full"))
+    assert R.model_bytes(R.dims("full")) == 7_615_487_488 * 2 and len(R.shapes(R.dims("full"))) == 255
+    assert 19e9 < full["memory_bytes"] < 20e9 and 32e9 < full["disk_bytes"] < 33e9
+    plenty = {"mem_available_bytes": 10**12, "disk_free_bytes": 10**13, "disk_dir": str(tmp_path)}
+    assert R.missing(full, plenty) is None
+    short = R.missing(full, dict(plenty, mem_available_bytes=8 * 10**9, disk_free_bytes=20 * 10**9))
+    assert "\n" not in short and "memory: needs 19.4 GB available, MemAvailable is 8.0 GB" in short
+    assert f"disk: needs 32.5 GB free in {tmp_path}, 20.0 GB free" in short
+    # save_pretrained holds 2x the model beside it: at 7.6 B it runs at fewer layers of the same widths
+    assert 0 < R.pf_layers_that_fit(R.dims("full"), 22 * 10**9) < 28 == R.pf_layers_that_fit(R.dims("full"), 10**12)
