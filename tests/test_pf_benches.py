@@ -26,11 +26,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 RECORDED = BENCH / "results"
-HELPERS = {"_common", "assembler_ranks"}  # imported or launched by the benchmarks below, not run alone
+HELPERS = {"_common", "assembler_ranks", "_real_size", "_real_size_checks", "_real_size_single",
+           "_real_size_ranks", "_real_size_summary"}  # imported or launched by the benchmarks below, not run alone
 TIMEOUT_S = 480
 # reads those benchmarks' JSONs (so it runs after them; a missing one stops it: test_a_missing_input_stops_the_benchmark)
 NEEDS = {"thread_scaling": ("export_single",), "export_ranks": ("assembler", "export_single")}
-LAUNCHES = {"export_ranks", "assembler", "nodes_traffic", "visibility", "export_fp8"}  # start paddle.distributed.launch
+LAUNCHES = {"export_ranks", "assembler", "nodes_traffic", "visibility", "export_fp8", "real_size"}  # start paddle.distributed.launch
 
 # benchmark: {path in its JSON: None (present) or the value it must have}; the longest tiny runs first
 BENCHES = {
@@ -63,6 +64,17 @@ BENCHES = {
                    ("single", "facts", "one_thread_ns_per_element"): None,
                    ("ranks", "regimes", "tmpfs", "median_paired_time_ratio"): None,
                    ("ranks", "regimes", "tmpfs", "quantized_bytes_ratio"): None},
+    "real_size": {("table", "live", "ratio_vs_cp", "median_paired"): None, ("table", "live", "peak_extra_rss_fraction"): None,
+                  ("table", "live", "seconds_per_byte_ratio_vs_ref"): None,
+                  ("table", "live", "save_pretrained", "ratio", "median_paired"): None,
+                  ("table", "fp8", "time_ratio", "median_paired"): None, ("table", "fp8", "quantized_bytes_ratio"): None,
+                  ("table", "async", 0, "ring_bytes"): None, ("table", "async", 1, "stall_over_floor"): None,
+                  ("table", "mp2", "per_rank", "1", "as_predicted"): True, ("table", "mp2", "time_ratio"): None,
+                  ("table", "convert", "ratio_vs_raw_copy", "median_paired"): None,
+                  ("table", "convert", "peak_extra_rss_fraction"): None, ("checks", "bf16_first_tensor_by_tensor"): True,
+                  ("checks", "bf16_transformers_meta"): True, ("checks", "fp8_first"): True, ("checks", "async_snapshots"): True,
+                  ("checks", "convert_tensor_by_tensor_and_meta"): True, ("checks", "mp2_halves_verify_meta"): True,
+                  ("checks", "no_oom_kill"): True},
     "lora_merge": {("regimes", "tmpfs", "time_ratio_merged_vs_plain"): None,
                    ("regimes", "tmpfs", "peak_extra_rss_bytes", "merged"): None,
                    ("regimes", "tmpfs", "snapshot_bytes", "merged_adapter"): None},
@@ -333,3 +345,21 @@ def test_a_tiny_runs_slow_assembly_rate_is_kept_not_rounded_to_zero(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = json.loads((results / "export_ranks.json").read_text())["scaling_model"]
     assert 0 < model["measured_inputs"]["assembly_gb_s_per_rank"]["routed"] < 1e-3
+
+
+def test_real_size_names_what_a_run_lacks_before_writing(tmp_path):
+    """bench/real_size.py (issue 47) checks memory and disk before it writes anything, from the model's size: the
+    7.6 B run's needs, and one line naming each figure that is short."""
+    sys.path.insert(0, str(BENCH))
+    import _real_size as R
+
+    full = R.needs(R.dims("full"))
+    assert R.model_bytes(R.dims("full")) == 7_615_487_488 * 2 and len(R.shapes(R.dims("full"))) == 255
+    assert 19e9 < full["memory_bytes"] < 20e9 and 32e9 < full["disk_bytes"] < 33e9
+    plenty = {"mem_available_bytes": 10**12, "disk_free_bytes": 10**13, "disk_dir": str(tmp_path)}
+    assert R.missing(full, plenty) is None
+    short = R.missing(full, dict(plenty, mem_available_bytes=8 * 10**9, disk_free_bytes=20 * 10**9))
+    assert "\n" not in short and "memory: needs 19.4 GB available, MemAvailable is 8.0 GB" in short
+    assert f"disk: needs 32.5 GB free in {tmp_path}, 20.0 GB free" in short
+    # save_pretrained holds 2x the model beside it: at 7.6 B it runs at fewer layers of the same widths
+    assert 0 < R.pf_layers_that_fit(R.dims("full"), 22 * 10**9) < 28 == R.pf_layers_that_fit(R.dims("full"), 10**12)

@@ -280,3 +280,36 @@ def test_async_export_is_committed_at_interpreter_exit(tmp_path):
     assert "PENDING True" in out.stdout
     assert verify_snapshot(tmp_path / "hf-step-000009").ok
     assert (tmp_path / "latest").read_text().strip() == "hf-step-000009"
+
+
+def test_async_ring_is_made_after_the_first_step_not_at_train_begin(tmp_path):
+    """Issue 47: Paddle's optimizers create their states at the first step, after on_train_begin; a ring sized
+    there from MemAvailable would take memory those states need on a host the model fills. The callback makes
+    it at the first on_step_end (from what the training leaves), and the export after it writes the same bytes."""
+    from types import SimpleNamespace
+
+    from paddleformers.trainer.trainer_callback import TrainerControl, TrainerState
+
+    from paddle_fullparam_callbacks import FullParamExportCallback
+
+    model = make_tiny_llama(seed=5, tie_word_embeddings=False)
+    opt = paddle.optimizer.AdamW(parameters=model.parameters())
+    cb = FullParamExportCallback(None, output_dir=str(tmp_path / "snaps"), overrides=["export.async_write=true",
+                                                                                      "on_error=raise"])
+    args, state, control = SimpleNamespace(output_dir=str(tmp_path / "trainer"), sharding=""), TrainerState(), TrainerControl()
+    cb.on_train_begin(args, state, control, model=model)
+    assert cb.session._ring is None and not opt._accumulators  # nothing of either yet
+    loss = sum((p * p).sum() for p in model.parameters())  # a step of the real optimizer: its states now exist
+    loss.backward()
+    opt.step()
+    opt.clear_grad()
+    assert opt._accumulators
+    state.global_step = 1
+    cb.on_step_end(args, state, control, model=model)
+    ring = cb.session._ring
+    assert ring is not None and ring.size == sum(int(p.numel()) * p.element_size() for p in model.parameters())
+    cb.on_save(args, state, control, model=model)
+    cb.on_train_end(args, state, control, model=model)
+    assert cb.session._ring is ring and verify_snapshot(tmp_path / "snaps" / "hf-step-000001").ok
+    assert_bitwise_equal(snapshot_tensors(tmp_path / "snaps" / "hf-step-000001"),
+                         expected_hf_tensors(model, _pf_name(False), lm_head_is_linear=False, dtype="float32"))

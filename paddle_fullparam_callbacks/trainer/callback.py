@@ -119,7 +119,9 @@ class FullParamExportCallback:
         try:
             self._source = adapter_source(lambda: build_model_source(model, self.config, tokenizer,
                                                                      warn_no_tokenizer=warn), self.config)
-            prepared = session.prepare(self._source)
+            # the async staging ring waits for the first step's end (on_step_end): sized from the memory the
+            # training leaves once its optimizer has created its states (ring_size.py)
+            prepared = session.prepare(self._source, ring=False)
             # every engine proven, against the plan's tensors (a LoRA run served as adapters: against its adapter)
             self.serving.check(ctx, self._source, prepared, model=model, session=session)
         except BaseException:  # refused at start: the directory is released (and removed, if it made it)
@@ -142,6 +144,8 @@ class FullParamExportCallback:
 
     def on_step_end(self, args, state, control, **kwargs):
         self._drain(state)
+        if self.session is not None and self.session.is_open:
+            self.session.stage_ring()  # the first step's end: the async ring, once (no collective)
         n = self.config.trigger.every_n_steps
         if n and state.global_step > 0 and state.global_step % n == 0:
             self._event(args, state, kwargs, "every_n_steps")

@@ -101,7 +101,7 @@ def export(model, out: Path, overrides) -> dict:
         HostRing.array, HostRing.copy_in = array, copy_in
         try:
             source = build_model_source(model, cfg)
-            session.prepare(source)  # as the callback does at on_train_begin: a background export's ring is made here
+            session.prepare(source)  # the plan, and a background export's ring (the callback makes that after the first step)
             info = session.export(source, 1, reason="test")
             info = session.wait_pending() or info  # a background export: its final record
         finally:

@@ -124,3 +124,58 @@ def test_writer_budget_never_limits_an_async_ring(async_write):
         assert make_exporter(cfg, ring=big).max_pending_bytes == 6 * GB
         assert make_exporter(cfg, ring=small).max_pending_bytes == 512 * 10**6
     assert make_exporter(cfg, ring=None).max_pending_bytes == 512 * 10**6  # synchronous: the old budget
+
+
+# ---- issue 47: the ring sized after the first step, and made again smaller when memory falls ------------------
+
+def test_short_of_memory_once_half_of_what_the_rule_left_is_gone():
+    # one rank: the rule left as much as the ring took; under half of that, the node is short
+    assert not rs.short_of_memory(4 * GB, meminfo(int(2.1 * GB)), {})
+    assert rs.short_of_memory(4 * GB, meminfo(int(1.9 * GB)), {})
+    # 8 ranks sized one after another from what the earlier ones left: none of them is short
+    avail, rings = 64 * GB, []
+    for _ in range(8):
+        rings.append(rs.ring_size(100 * GB, None, meminfo(avail - sum(rings)), {"PADDLE_LOCAL_SIZE": "8"}).bytes)
+    left = meminfo(avail - sum(rings))
+    assert not any(rs.short_of_memory(r, left, {"PADDLE_LOCAL_SIZE": "8"}) for r in rings)
+    assert not rs.short_of_memory(10**12, None, {})  # MemAvailable unknown: never
+
+
+def test_session_ring_made_again_smaller_when_the_nodes_memory_falls(monkeypatch, caplog):
+    free = {"bytes": 64 * 2**20}
+    monkeypatch.setattr(rs, "read_meminfo", lambda: meminfo(free["bytes"]))
+    s = _session([], [10_000_000])
+    s._shrink_said = False
+    first = s._host_ring()
+    assert first.size == 10_000_000
+    free["bytes"] = 4 * 2**20  # the job grew: 4 MiB left beside a 10 MB ring
+    with caplog.at_level(logging.INFO, logger="paddle_fullparam_callbacks"):
+        second = s._host_ring()
+        again = s._host_ring()  # the new ring is within its share: kept
+    # the rule again, from what the node reports then (the real node would count the old ring's memory, freed)
+    assert second is not first and second.size == 2 * 2**20 and again is second
+    said = [r.getMessage() for r in caplog.records if "fell" in r.getMessage()]
+    assert len(said) == 1 and "export.max_pending_bytes" in said[0] and "10.00 MB" in said[0]
+
+
+def test_an_explicit_ring_is_never_made_again(monkeypatch):
+    monkeypatch.setattr(rs, "read_meminfo", lambda: meminfo(1024))
+    s = _session(["export.max_pending_bytes=2KB"], [3000])
+    s._shrink_said = False
+    ring = s._host_ring()
+    assert s._host_ring() is ring and ring.size == 2000
+
+
+def test_stage_ring_waits_for_a_plan_and_for_a_pending_export(monkeypatch):
+    monkeypatch.setattr(rs, "read_meminfo", lambda: meminfo(64 * 2**20))
+    s = _session([], [5000])
+    s._pending = object()
+    s.stage_ring()
+    assert s._ring is None  # a background export uses the memory: never touched under it
+    s._pending, plan = None, s._prepared
+    s._prepared = None
+    s.stage_ring()
+    assert s._ring is None
+    s._prepared = plan
+    s.stage_ring()
+    assert s._ring.size == 5000

@@ -4,9 +4,15 @@ With ``export.async_write`` training resumes once every tensor of the rank is co
 staging ring (host/HostRing); bytes that do not fit wait for the disk on the training thread. So
 by default (``export.max_pending_bytes: auto``) the ring holds all of this rank's snapshot bytes,
 and only the node's memory limits it: half of what the kernel reports available
-(``MemAvailable``, read when the ring is built, with the model and optimizer already in memory),
-shared equally among the job's ranks on the node (``PADDLE_LOCAL_SIZE``). The other half stays
-for whatever else the job allocates later. An explicit size still wins over the rule.
+(``MemAvailable``), shared equally among the job's ranks on the node (``PADDLE_LOCAL_SIZE``). The
+other half stays for whatever else the job allocates later. An explicit size still wins over the rule.
+
+When the model fills the host (issue 47) the rule must not take memory the training is about to
+need: the ring is built after the first training step (the callback's first ``on_step_end``), not at
+``on_train_begin``, because Paddle's optimizers create their states (moments, master weights) at the
+first step; and at every export MemAvailable is read again, and where the node has become short of
+memory beside the ring (the job grew since) the ring is made again, smaller, by the same rule, before
+anything is copied (``short_of_memory``).
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from ...host.pool import local_ranks
 
 AVAILABLE_SHARE = 2  # the ring may take 1/AVAILABLE_SHARE of the node's available memory, split among its ranks
 UNKNOWN_CAP = 512 * 10**6  # no MemAvailable (not Linux): the ring that the old default allowed
+SHORT_BELOW = 2  # an auto ring is made again, smaller, once MemAvailable is below the node's rings / SHORT_BELOW
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,31 @@ def ring_size(rank_bytes: int, setting: Optional[int], meminfo: Optional[str],
     ranks = local_ranks(environ)
     cap = UNKNOWN_CAP if available is None else max(1, available // AVAILABLE_SHARE // ranks)
     return RingSize(max(1, min(wanted, cap)), wanted, cap, available, ranks)
+
+
+def short_of_memory(ring_bytes: int, meminfo: Optional[str], environ: Mapping[str, str]) -> bool:
+    """Whether the node has become short of memory beside an auto ring of ``ring_bytes``: MemAvailable below
+    half of what the node's rings hold (this one's times its ranks). The rule leaves at least as much as the
+    rings take when they are made; half of that gone means the job grew since. (A criterion on this ring's own
+    share would fire for the node's first ranks, whose rings are made before the others' take memory.) False
+    when MemAvailable is unknown.
+
+    >>> short_of_memory(4 * 10**9, "MemAvailable: 3000000 kB", {})  # 3.07 GB free beside a 4 GB ring
+    False
+    >>> short_of_memory(4 * 10**9, "MemAvailable: 1900000 kB", {})  # 1.95 GB: under half
+    True
+    """
+    available = mem_available(meminfo)
+    if available is None:
+        return False
+    return available < ring_bytes * local_ranks(environ) // SHORT_BELOW
+
+
+def shrunk_message(old: int, new: int, available: Optional[int], rank: int) -> str:
+    """The one line said when a ring is rebuilt smaller at an export."""
+    return (f"rank {rank}: the node's available host memory fell to {format_size(available or 0)} since the async "
+            f"staging ring was made: the ring goes from {format_size(old)} to {format_size(new)} (half of what is "
+            f"available, so that it never pushes the node out of memory); set export.max_pending_bytes to fix its size")
 
 
 def capped_message(r: RingSize, rank: int) -> str:

@@ -20,6 +20,7 @@ run after training resumed (in the background with one rank; at the next export 
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import logging
 import os
@@ -59,6 +60,7 @@ class ExportSession:
         self._pending: Optional[ExportJob] = None
         self._atexit_registered = False
         self._ring = None
+        self._shrink_said = False
         self._lock = None
         self._created_dir = False
         self.is_open = False  # between start() and close()
@@ -131,18 +133,27 @@ class ExportSession:
             if self._created_dir:
                 startup.remove_unused(self.output_dir)
 
-    def prepare(self, source: ModelSource, sharded_state_dict: Optional[dict] = None) -> PreparedExport:
+    def prepare(self, source: ModelSource, sharded_state_dict: Optional[dict] = None, ring: bool = True) -> PreparedExport:
         """Mapping and plans; recomputed only when some rank's parameter names, shapes or dtypes change.
 
-        A collective on every rank (cheap when nothing changed: one digest exchange).
+        A collective on every rank (cheap when nothing changed: one digest exchange). ``ring``: also build the
+        async staging ring (:meth:`stage_ring`); the callback builds it after the first training step instead.
         """
         sd = sharded_state_dict
         if sd is None and source.tensors is None:
             sd = source.sharded_state_dict()
         self._prepared = plan_export(self.ctx, self.config, source, sd, self._prepared)
-        if self.config.export.async_write and self._ring is None and self._pending is None:
-            self._host_ring()  # allocate and touch the staging memory now, not during the first export
+        if ring:
+            self.stage_ring()
         return self._prepared
+
+    def stage_ring(self) -> None:
+        """Allocate and touch the async staging ring now (no collective), not during the first export; nothing
+        if there is one, no plan yet, or a background export is pending. The callback calls it at the end of
+        the first training step: the optimizer's states exist by then, and the ring is sized from what the
+        training leaves (``ring_size.py``)."""
+        if self.config.export.async_write and self._ring is None and self._pending is None and self._prepared is not None:
+            self._host_ring()
 
     def export(self, source: ModelSource, step: int, metrics: Optional[dict] = None, reason: str = "",
                into: Optional[Path] = None, name: Optional[str] = None) -> SnapshotInfo:
@@ -255,17 +266,25 @@ class ExportSession:
     def _host_ring(self):
         """Host memory reused by every background export (pre-faulted once): see HostRing.
 
-        Sized once per job by ring_size: with ``export.max_pending_bytes: auto`` this rank's file
-        bytes within its share of the node's available memory (said once when that share limits it),
-        otherwise the explicit size, or less when this rank's files are smaller. auto before the
-        first plan (an export without ``prepare``): None, this export copies into fresh memory and
-        its ``prepare`` builds the ring for the next ones."""
+        Sized by ring_size: with ``export.max_pending_bytes: auto`` this rank's file bytes within its
+        share of the node's available memory (said once when that share limits it), and made again,
+        smaller, at an export that finds the node short of memory beside it (said once); otherwise the
+        explicit size, or less when this rank's files are smaller. auto before the first plan (an export
+        without ``prepare``): None, this export copies into fresh memory and its ``prepare`` builds the ring
+        for the next ones."""
         export = self.config.export
         if not export.async_write or export.format == "callable":
             return None
+        from .ring_size import capped_message, read_meminfo, ring_size, short_of_memory, shrunk_message
+
+        shrunk_from = None
+        if self._ring is not None and export.max_pending_auto:
+            meminfo = read_meminfo()
+            if short_of_memory(self._ring.size, meminfo, os.environ):
+                shrunk_from, self._ring = self._ring.size, None
+                gc.collect()  # its memory goes back before the new one is sized
         if self._ring is None:
             from .host import HostRing
-            from .ring_size import capped_message, read_meminfo, ring_size
 
             if self._prepared is None:
                 if export.max_pending_auto:
@@ -276,7 +295,11 @@ class ExportSession:
                 mine = sum(p.plan.files[i].data_bytes for i in p.writes.files_of_rank(self.ctx.rank))
                 setting = None if export.max_pending_auto else export.max_pending
                 sized = ring_size(mine, setting, read_meminfo() if setting is None else None, os.environ)
-                if sized.capped:
+                if shrunk_from is not None:
+                    if not self._shrink_said:
+                        self._shrink_said = True
+                        logger.warning("%s", shrunk_message(shrunk_from, sized.bytes, sized.available, self.ctx.rank))
+                elif sized.capped:
                     logger.warning("%s", capped_message(sized, self.ctx.rank))
                 size = sized.bytes
             self._ring = HostRing(size)
