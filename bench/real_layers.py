@@ -6,7 +6,7 @@ Run (about 20 minutes; one layer at a time, each export in a fresh process after
     PY=$(scripts/env.sh paddleformers)
     PFC_HF_PYTHON=$(scripts/env.sh hf) $PY bench/real_layers.py          # -> bench/results/real_layers.json
     $PY bench/real_layers.py --layers qwen2.5-7b,llama-3-8b --reps 3
-    $PY bench/real_layers.py --before TREE       # also checks TREE's package (e.g. the commit before a fix)
+    $PY bench/real_layers.py --before 0ff73e5~1   # also checks that revision's package (the commit before a fix)
 
 Each layer is a one-layer model of its class, built on the CPU with bfloat16 parameters
 (``paddle.set_default_dtype("bfloat16")``), the decoder layer at the published dimensions and a vocabulary of 1024
@@ -74,11 +74,13 @@ RESULT_PATH = C.RESULTS_DIR / "real_layers.json"
 HF_CLIENT = REPO / "tests" / "hf_client" / "fp8_snapshot_rule.py"
 REGIMES = {"tmpfs": "/dev/shm", "disk": "/tmp"}
 VARIANTS = ("bf16", "fp8")
+ONE_THREAD = ("bf16_t1", "fp8_t1")  # once per layer, after the repetitions: what the second thread gives each
 VOCAB = C.tiny(1024, 256)
 BLOCK = (128, 128)
 DISTURBED = 0.2  # others used more than this share of the CPUs during a run: it is repeated
 RETRIES = C.tiny(3, 1)
 MEMORY_LIMIT = 10 * 2**30  # no layer's estimated peak may exceed it (the machine is shared)
+WRITER_KEYS = ("copy_s", "fill_s", "hash_s", "write_s", "elapsed_s")  # the writer's thread-seconds, summed
 TARGETS = {"time_ratio": "<= 1.15", "quantized_bytes_ratio": "<= 0.55"}
 
 
@@ -124,15 +126,17 @@ LAYERS = {
                         dict(tie_word_embeddings=False)),
     "qwen3-8b": Layer("Qwen3-8B", "llama", dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
                                                 num_key_value_heads=8, head_dim=128),
-                      LLAMA.format("Qwen3") + "; without Qwen3's q/k norms (not quantized)", dict(tie_word_embeddings=False)),
+                      LLAMA.format("Qwen3") + "; without Qwen3's q/k norms (not quantized)",
+                      dict(tie_word_embeddings=False)),
     "llama-2-7b": Layer("Llama-2-7B", "llama", dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
                                                     num_key_value_heads=32), "", dict(tie_word_embeddings=False)),
     "llama-3-8b": Layer("Llama-3-8B", "llama", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                                                     num_key_value_heads=8), "", dict(tie_word_embeddings=False)),
-    "ernie-4.5-0.3b": Layer("ERNIE-4.5-0.3B", "ernie", dict(hidden_size=1024, intermediate_size=3072,
-                                                            num_attention_heads=16, num_key_value_heads=2, head_dim=128),
-                            "PaddleFormers' Ernie4_5ForCausalLM (fused qkv_proj and up_gate_proj, split by the mapping)",
-                            dict(tie_word_embeddings=True)),
+    "ernie-4.5-0.3b": Layer("ERNIE-4.5-0.3B", "ernie",
+                            dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=2,
+                                 head_dim=128),
+                            "PaddleFormers' Ernie4_5ForCausalLM (fused qkv_proj and up_gate_proj, which the mapping "
+                            "splits)", dict(tie_word_embeddings=True)),
     "ernie-4.5-21b-a3b-moe": Layer(
         "ERNIE-4.5-21B-A3B", "ernie_moe",
         dict(hidden_size=2560, intermediate_size=12288, moe_intermediate_size=1536, num_attention_heads=20,
@@ -151,9 +155,11 @@ ALL_LAYERS = C.tiny(LAYERS, TINY_LAYERS)
 
 
 def overrides(variant: str, out: Path) -> list:
+    """The recipe of ``variant``: ``bf16`` or ``fp8``, ``_t1``: on one worker thread (``export.threads=1``)."""
     base = [f"output_dir={out}", "trigger.on_save=true", "trigger.on_train_end=false", "export.dtype=bfloat16",
             "export.copy_tokenizer=false", "export.timeout_s=600"]
-    return base + (["export.quantization=fp8"] if variant == "fp8" else [])
+    base += ["export.threads=1"] if variant.endswith("_t1") else []
+    return base + (["export.quantization=fp8"] if variant.startswith("fp8") else [])
 
 
 def hf_python() -> str:
@@ -362,6 +368,7 @@ def child_facts(layer: Layer) -> dict:
 
     from paddle_fullparam_callbacks.host import fp8 as F
     from paddle_fullparam_callbacks.host import quantize as Q
+    from paddle_fullparam_callbacks.host.casts import scratch
     from paddle_fullparam_callbacks.host.copy import copy_into, row_blocks
     from paddle_fullparam_callbacks.host.pool import WorkerPool, using
 
@@ -387,33 +394,41 @@ def child_facts(layer: Layer) -> dict:
         for r0, r1 in row_blocks(lazy, 2 * 2**20):
             lazy.rows(r0, r1).fill(buf[r0:r1])
 
-    def stages(w, q):
-        """The bytes' passes, timed one by one over the weight in the fill's chunks (memory order)."""
-        memory = w  # [in, out]: rows of the memory order
-        n = memory.shape[1]
-        step = max(1, min(BLOCK[1], Q._CHUNK // n))
-        codes = np.empty(memory.shape, np.uint8)
-        t = dict(widen=0.0, scale=0.0, encode=0.0)
-        scales = np.ascontiguousarray(q.scale[np.arange(n) // BLOCK[0]].T)
-        for c0 in range(0, memory.shape[0], step):
-            j = c0 // BLOCK[1]
-            c1 = min(memory.shape[0], c0 + step, (j + 1) * BLOCK[1])
+    def stages(memory, q):
+        """The bytes' passes as the writer runs them (``Fp8Array._fill_memory_order`` on its 2 MB row pieces), each
+        pass timed on its own: the widening of the bfloat16 source, the product by the block's scale, the e4m3
+        encoding (round-to-odd key, table look-up), the transpose of the bytes into file order."""
+        t = dict(widen=0.0, scale=0.0, encode=0.0, transpose_bytes=0.0)
+        out = np.empty(memory.T.shape, np.uint8)
+        for r0, r1 in row_blocks(q.weight, 2 * 2**20):
+            n = r1 - r0
+            scales = np.ascontiguousarray(q.scale[np.arange(r0, r1) // BLOCK[0]].T)
+            codes = np.empty((memory.shape[0], n), np.uint8)
+            step = max(1, min(BLOCK[1], Q._CHUNK // n))
+            c0 = 0
+            while c0 < memory.shape[0]:
+                j = c0 // BLOCK[1]
+                c1 = min(memory.shape[0], c0 + step, (j + 1) * BLOCK[1])
+                t0 = time.perf_counter()
+                values = Q.widened(memory[c0:c1, r0:r1], "bfloat16", "facts widened")
+                t1 = time.perf_counter()
+                y = scratch(values.size * 4, "facts product").view(np.float32).reshape(values.shape)
+                np.multiply(values, scales[j], out=y)
+                t2 = time.perf_counter()
+                F.encode_e4m3(codes[c0:c1], y)
+                t3 = time.perf_counter()
+                t["widen"] += t1 - t0
+                t["scale"] += t2 - t1
+                t["encode"] += t3 - t2
+                c0 = c1
             t0 = time.perf_counter()
-            values = Q.widened(memory[c0:c1], "bfloat16", "facts widened")
-            t1 = time.perf_counter()
-            y = np.empty(values.shape, np.float32)
-            np.multiply(values, scales[j], out=y)
-            t2 = time.perf_counter()
-            F.encode_e4m3(codes[c0:c1], y)
-            t3 = time.perf_counter()
-            t["widen"] += t1 - t0
-            t["scale"] += t2 - t1
-            t["encode"] += t3 - t2
-        out = np.empty(codes.T.shape, np.uint8)
-        t0 = time.perf_counter()
-        copy_into(out, codes.T)
-        t["transpose_bytes"] = time.perf_counter() - t0
-        return {k: round(v / w.size * 1e9, 3) for k, v in t.items()}
+            copy_into(out[r0:r1], codes.T)
+            t["transpose_bytes"] += time.perf_counter() - t0
+        return {k: round(v / memory.size * 1e9, 3) for k, v in t.items()}
+
+    def copy(plain, hf_view):
+        for r0, r1 in row_blocks(hf_view, 2 * 2**20):  # the writer's blocks of a strided tensor
+            copy_into(plain[r0:r1], hf_view[r0:r1])
 
     out = {}
     with using(WorkerPool(1)):
@@ -425,10 +440,10 @@ def child_facts(layer: Layer) -> dict:
             q = Q.Fp8Weight(hf_view, "bfloat16", BLOCK)
             codes = np.empty(hf_view.shape, np.uint8)
             out[f"hf{list(hf_view.shape)}"] = {
-                "bf16_copy_ns": timed(lambda: copy_into(plain, hf_view), w.size),
+                "bf16_copy_ns": timed(lambda: copy(plain, hf_view), w.size),
                 "fp8_scales_ns": timed(lambda: Q.Fp8Weight(hf_view, "bfloat16", BLOCK), w.size),
                 "fp8_bytes_ns": timed(lambda: fill(q.weight, codes), w.size),
-                "fp8_bytes_stages_ns": stages(bits, q)}
+                "fp8_bytes_stages_ns": min((stages(bits, q) for _ in range(reps)), key=lambda x: sum(x.values()))}
     return {"variant": "facts", "one_thread_ns_per_element": out}
 
 
@@ -437,10 +452,10 @@ def run_child(args: list, env=None) -> dict:
     return C.run_child([__file__, *args], timeout=1800, env=env)
 
 
-def timed_runs(name: str, regime: str, reps: int, quiet_wait: float) -> dict:
-    runs = {v: [] for v in VARIANTS}
+def timed_runs(name: str, regime: str, reps: int, quiet_wait: float, variants=VARIANTS) -> dict:
+    runs = {v: [] for v in variants}
     for rep in range(reps):
-        for v in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
+        for v in (variants if rep % 2 == 0 else variants[::-1]):
             tries = []
             for _ in range(RETRIES):  # a run others disturbed is repeated; the least disturbed is kept
                 tmp = Path(tempfile.mkdtemp(prefix=f"pfc-bench-layer-{v}-", dir=REGIMES[regime]))
@@ -491,11 +506,23 @@ def summary(runs: dict) -> dict:
         "quantized_bytes_ratio": round(first["fp8"]["quantized_part_bytes"] / first["bf16"]["quantized_part_bytes"], 4),
         "peak_extra_rss_bytes": {v: int(med([r["peak_extra_rss"] for r in rs])) for v, rs in runs.items()},
         "process_peak_rss_bytes": {v: max(r["process_peak_rss"] for r in rs) for v, rs in runs.items()},
-        "writer_fill_s": {v: round(med([r["writer_stats"].get("fill_s", 0) for r in rs]), 4) for v, rs in runs.items()},
+        "writer_thread_s": {v: {k: round(med([r["writer_stats"].get(k, 0) for r in rs]), 4) for k in WRITER_KEYS}
+                            for v, rs in runs.items()},
         "loadavg_1m": {v: [r["loadavg_1m"] for r in rs] for v, rs in runs.items()},
         "foreign_cpu_fraction": {v: [r["cpu"]["foreign_fraction"] for r in rs] for v, rs in runs.items()},
         "disturbed_tries": {v: [r["disturbed_tries"] for r in rs] for v, rs in runs.items()},
     }
+
+
+def one_thread(runs: dict, entry: dict) -> dict:
+    """The pair on one worker thread: its seconds and CPU, and the speed-up the second thread gives each variant."""
+    sec = {v[:-3]: round(rs[0]["seconds"], 4) for v, rs in runs.items()}
+    cpu = {v[:-3]: rs[0]["cpu"]["own_cpu_s"] for v, rs in runs.items()}
+    return {"seconds": sec, "cpu_s": cpu, "time_ratio": round(sec["fp8"] / sec["bf16"], 3),
+            "cpu_ns_per_element": {v: round(c / entry["elements"] * 1e9, 3) for v, c in cpu.items()},
+            "speedup_2_threads_vs_1": {v: round(sec[v] / entry["seconds"][v], 3) for v in VARIANTS},
+            "loadavg_1m": {v[:-3]: rs[0]["loadavg_1m"] for v, rs in runs.items()},
+            "foreign_cpu_fraction": {v[:-3]: rs[0]["cpu"]["foreign_fraction"] for v, rs in runs.items()}}
 
 
 def check_layer(name: str, regime: str, env=None) -> dict:
@@ -506,16 +533,32 @@ def check_layer(name: str, regime: str, env=None) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def before_tree(spec: str) -> tuple:
+    """(a tree holding the package, its label): ``spec`` a checkout, or a revision of this repository whose package
+    is extracted (``git archive``) into a temporary folder."""
+    if Path(spec).is_dir():
+        tree = C.existing_tree(spec)
+        return tree, str(tree)
+    rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", spec], capture_output=True, text=True)
+    if rev.returncode != 0:
+        raise C.MissingInput(f"real_layers.py: --before {spec} is neither a checkout nor a revision of {REPO}")
+    tree = Path(tempfile.mkdtemp(prefix="pfc-bench-before-"))
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", spec, "paddle_fullparam_callbacks"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return C.existing_tree(tree), f"{rev.stdout.strip()} ({spec})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", default=",".join(ALL_LAYERS), help="comma-separated, of: " + ", ".join(ALL_LAYERS))
     ap.add_argument("--reps", type=int, default=C.tiny(7, 1))
     ap.add_argument("--regime", choices=tuple(REGIMES), default="tmpfs")
     ap.add_argument("--quiet-wait", type=float, default=90.0, help="seconds to wait for idle CPUs before a run")
-    ap.add_argument("--before", help="a checkout (e.g. of the commit before a fix): its package's FP8 snapshots are "
-                                     "checked too (check_before), not timed")
+    ap.add_argument("--before", help="a checkout or a revision of this repository (e.g. the commit before a fix): its "
+                                     "package's FP8 snapshots are checked too (check_before), not timed")
     ap.add_argument("--result", default=str(RESULT_PATH))
-    ap.add_argument("--child", choices=("bf16", "fp8", "check", "facts"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=VARIANTS + ONE_THREAD + ("check", "facts"), help=argparse.SUPPRESS)
     ap.add_argument("--layer", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ns = ap.parse_args()
@@ -535,11 +578,11 @@ def main() -> None:
     unknown = [n for n in names if n not in ALL_LAYERS]
     if unknown:
         raise SystemExit(f"real_layers.py: unknown layer(s) {unknown}; known: {', '.join(ALL_LAYERS)}")
-    before = C.existing_tree(ns.before) if ns.before else None
+    before, before_label = before_tree(ns.before) if ns.before else (None, None)
     before_env = dict(os.environ, PYTHONPATH=str(before)) if before else None
     t_start = time.perf_counter()
     result = {"targets": TARGETS, "regime": ns.regime, "reps": ns.reps, "block": list(BLOCK), "vocab_size": VOCAB,
-              "before_tree": str(before) if before else None, "layers": {}}
+              "before": before_label, "layers": {}}
     for name in names:
         layer = ALL_LAYERS[name]
         need, free = estimated_peak(layer), mem_available()
@@ -553,23 +596,28 @@ def main() -> None:
         check = check_layer(name, ns.regime)
         print(f"  check: bytes identical {check['bytes_identical']}, {check['quantized_weights']} weights, "
               f"{check['differing_bytes']} bytes and {check['differing_scales']} scales differ, control caught "
-              f"{check['control']['caught']}, peak bound {check['peak_memory_bound_bytes'] / 2**30:.2f} GiB", flush=True)
+              f"{check['control']['caught']}, peak bound {check['peak_memory_bound_bytes'] / 2**30:.2f} GiB",
+              flush=True)
         entry["check"] = check
         if before_env:
             b = check_layer(name, ns.regime, env=before_env)
             entry["check_before"] = {k: b[k] for k in ("bytes_identical", "quantized_weights", "differing_bytes",
                                                        "differing_scales", "per_tensor", "others_differing", "control")}
-            print(f"  check of {before}: bytes identical {b['bytes_identical']}, {b['differing_bytes']} bytes differ "
+            print(f"  check of {before_label}: bytes identical {b['bytes_identical']}, {b['differing_bytes']} bytes differ "
                   + ", ".join(f"{n.split('.', 3)[-1]} {t['differing_fraction']:.1%}" for n, t in b["per_tensor"].items()
                               if t["differing_bytes"]), flush=True)
+        C.wait_quiet(ns.quiet_wait)
         facts = run_child(["--child", "facts", "--layer", name])
         entry["facts"] = facts["one_thread_ns_per_element"]
         runs = timed_runs(name, ns.regime, ns.reps, ns.quiet_wait)
         entry.update(summary(runs))
+        one = timed_runs(name, ns.regime, 1, ns.quiet_wait, ONE_THREAD)
+        entry["one_thread"] = one_thread(one, entry)
         entry["timed_fp8_snapshots_equal_checked"] = all(r["files_blake3"] == check["fp8_files_blake3"]
                                                          for r in runs["fp8"])
+        timed = [r for rs in (*runs.values(), *one.values()) for r in rs]
         entry["peak_memory_bytes"] = max(check["peak_memory_bound_bytes"],
-                                         *(r["process_peak_rss"] + r["tensor_bytes"] for rs in runs.values() for r in rs))
+                                         *(r["process_peak_rss"] + r["tensor_bytes"] for r in timed))
         print(f"  {name}: bf16 {entry['seconds']['bf16']:.3f} s, fp8 {entry['seconds']['fp8']:.3f} s, paired ratio "
               f"{entry['median_paired_time_ratio']}, CPU ns/element {entry['cpu_ns_per_element']}, quantized bytes "
               f"{entry['quantized_bytes_ratio']}", flush=True)
@@ -584,6 +632,8 @@ def main() -> None:
                      "memory_under_10GB": all(e["peak_memory_bytes"] < MEMORY_LIMIT for e in layers)}
     result["bench_seconds"] = round(time.perf_counter() - t_start, 1)
     C.write_result(Path(ns.result), result)
+    if before is not None and not Path(ns.before).is_dir():
+        shutil.rmtree(before, ignore_errors=True)  # the tree extracted from the revision
     print(f"wrote {ns.result} ({result['bench_seconds']:.0f} s)")
 
 

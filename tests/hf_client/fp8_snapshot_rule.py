@@ -91,8 +91,8 @@ def main():
     print(json.dumps({
         "block": list(block), "quantized": quantized, "others_compared": others, "others_differing": others_differing,
         "missing": sorted(set(p_files) - set(q_files)) if only is None else [],
-        "extra": sorted(n for n in set(q_files) - set(p_files) if n not in scales or n[:-len("_scale_inv")] not in q_files)
-        if only is None else [],
+        "extra": [] if only is not None else sorted(
+            n for n in set(q_files) - set(p_files) if n not in scales or n[:-len("_scale_inv")] not in q_files),
         "seconds": round(time.perf_counter() - t0, 2),
     }))
 
