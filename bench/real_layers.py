@@ -58,6 +58,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -562,6 +563,7 @@ def main() -> None:
     ap.add_argument("--layer", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ns = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the temporary folders are removed
 
     if ns.child:
         layer = ALL_LAYERS[ns.layer]
@@ -579,6 +581,14 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"real_layers.py: unknown layer(s) {unknown}; known: {', '.join(ALL_LAYERS)}")
     before, before_label = before_tree(ns.before) if ns.before else (None, None)
+    try:
+        measure(ns, names, before, before_label)
+    finally:
+        if before is not None and not Path(ns.before).is_dir():
+            shutil.rmtree(before, ignore_errors=True)  # the tree extracted from the revision
+
+
+def measure(ns, names, before, before_label) -> None:
     before_env = dict(os.environ, PYTHONPATH=str(before)) if before else None
     t_start = time.perf_counter()
     result = {"targets": TARGETS, "regime": ns.regime, "reps": ns.reps, "block": list(BLOCK), "vocab_size": VOCAB,
@@ -632,8 +642,6 @@ def main() -> None:
                      "memory_under_10GB": all(e["peak_memory_bytes"] < MEMORY_LIMIT for e in layers)}
     result["bench_seconds"] = round(time.perf_counter() - t_start, 1)
     C.write_result(Path(ns.result), result)
-    if before is not None and not Path(ns.before).is_dir():
-        shutil.rmtree(before, ignore_errors=True)  # the tree extracted from the revision
     print(f"wrote {ns.result} ({result['bench_seconds']:.0f} s)")
 
 
