@@ -146,6 +146,14 @@ LAYERS = {
         "of the 64 (every expert the same shape: the count only multiplies the time), the 2 shared experts (one MLP "
         "of 3072), the router gate (float32, not quantized); its forward needs GPU kernels, the export does not",
         dict(moe_k=6, moe_layer_start_index=0, num_nextn_predict_layers=0, tie_word_embeddings=True)),
+    "qwen3-30b-a3b-moe": Layer(
+        "Qwen3-30B-A3B", "ernie_moe",
+        dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+             num_key_value_heads=4, head_dim=128, moe_num_experts=8, moe_num_shared_experts=0),
+        "PaddleFormers' Ernie4_5_MoeForCausalLM at Qwen3-30B-A3B's dimensions (its Qwen3-MoE class imports "
+        "paddlefleet): one MoE layer, experts of the published size (2048 x 768) but 8 of the 128, no shared expert "
+        "(as Qwen3-MoE), the router gate; the snapshot is an Ernie4_5_Moe one",
+        dict(moe_k=8, moe_layer_start_index=0, num_nextn_predict_layers=0, tie_word_embeddings=False)),
 }
 TINY_LAYERS = {
     "tiny": Layer("none (hidden 320, intermediate 704: not multiples of the block or the chunk)", "llama",
