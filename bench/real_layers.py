@@ -567,6 +567,8 @@ def main() -> None:
     ap.add_argument("--before", help="a checkout or a revision of this repository (e.g. the commit before a fix): its "
                                      "package's FP8 snapshots are checked too (check_before), not timed")
     ap.add_argument("--result", default=str(RESULT_PATH))
+    ap.add_argument("--update", action="store_true", help="keep the other layers of an existing --result (a layer "
+                                                           "measured again replaces its entry)")
     ap.add_argument("--child", choices=VARIANTS + ONE_THREAD + ("check", "facts"), help=argparse.SUPPRESS)
     ap.add_argument("--layer", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -610,7 +612,8 @@ def measure(ns, names, before, before_label) -> None:
         print(f"{name} ({layer.model}): {layer.parameters() / 1e6:.0f} M parameters, estimated peak "
               f"{need / 2**30:.1f} GiB, available {free / 2**30:.1f} GiB", flush=True)
         entry = {"model": layer.model, "class": layer.classes[1], "dims": layer.dims, "note": layer.note,
-                 "parameters": layer.parameters(), "estimated_peak_bytes": need, "mem_available_bytes": free}
+                 "parameters": layer.parameters(), "estimated_peak_bytes": need, "mem_available_bytes": free,
+                 "measured_at": C.now_iso(), "package_commit": C.git_commit(), "reps": ns.reps}
         check = check_layer(name, ns.regime)
         print(f"  check: bytes identical {check['bytes_identical']}, {check['quantized_weights']} weights, "
               f"{check['differing_bytes']} bytes and {check['differing_scales']} scales differ, control caught "
@@ -640,6 +643,11 @@ def measure(ns, names, before, before_label) -> None:
               f"{entry['median_paired_time_ratio']}, CPU ns/element {entry['cpu_ns_per_element']}, quantized bytes "
               f"{entry['quantized_bytes_ratio']}", flush=True)
         result["layers"][name] = entry
+    if ns.update and Path(ns.result).is_file():
+        kept = json.loads(Path(ns.result).read_text())["layers"]
+        result["layers"] = {n: result["layers"].get(n, e) for n, e in kept.items()} | {
+            n: e for n, e in result["layers"].items() if n not in kept}
+        result["updated_layers"] = names
     layers = result["layers"].values()
     result["all_bytes_identical"] = all(e["check"]["bytes_identical"] and e["check"]["declared_equals_quantized"]
                                         and e["check"]["control"]["caught"] and e["timed_fp8_snapshots_equal_checked"]
