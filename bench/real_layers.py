@@ -1,7 +1,8 @@
 """One decoder layer at published models' dimensions, exported through the public callback in bf16 and in FP8: every
 byte against transformers' own ``Fp8Quantize``, FP8's time and CPU against bf16's (issue 46).
 
-Run (about 20 minutes; one layer at a time, each export in a fresh process after the machine is idle)::
+Run (about 30 minutes on a quiet machine; one layer at a time, each export in a fresh process after the machine is
+idle)::
 
     PY=$(scripts/env.sh paddleformers)
     PFC_HF_PYTHON=$(scripts/env.sh hf) $PY bench/real_layers.py          # -> bench/results/real_layers.json
@@ -36,13 +37,18 @@ Per layer:
 * ``facts``: the arithmetic alone on one thread, ns per element, at each quantized shape of the layer: the
   bfloat16 transposed copy the plain export does against FP8's scales and bytes, and the bytes' stages (widen,
   scale, encode, transpose);
+* ``fill_scaling``: the FP8 bytes of the layer's largest weight (and the bfloat16 copy of it) on 1 thread, on 2
+  threads of one process (the writer's 2 MB row pieces dealt out between them), and by 2 processes at once: whether
+  a second thread of the export can add what a second core could;
 * ``reps`` paired repetitions of both variants in fresh processes, the order alternating, after waiting for idle
   CPUs (a run during which others used more than 20% of the CPUs is repeated, up to 3 tries, the least disturbed
   kept). Every timed FP8 snapshot must be the checked one, file for file (the manifests' BLAKE3).
 
-Reported per layer: median seconds and the paired ratio fp8 / bf16; CPU seconds per element (the process's own
-user + system time during the export over the snapshot's elements) for both; FP8's extra CPU per quantized
-element; the quantized part's bytes ratio; peak extra RSS; the load average before each run; the check.
+Then one pair on one worker thread (``export.threads=1``), once. Reported per layer: median seconds and the paired
+ratio fp8 / bf16; CPU seconds per element (the process's own user + system time during the export over the
+snapshot's elements) for both, user and system apart; FP8's extra CPU per quantized element; the writer's
+thread-seconds by stage; the quantized part's bytes ratio; peak extra RSS; the load average before each run; what
+the second thread gives each variant; the check.
 Before each layer the machine's MemAvailable must hold the layer's estimated peak (the bench stops, naming it,
 otherwise); every estimate stays under 10 GB.
 
@@ -134,8 +140,8 @@ LAYERS = {
     "llama-3-8b": Layer("Llama-3-8B", "llama", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                                                     num_key_value_heads=8), "", dict(tie_word_embeddings=False)),
     "ernie-4.5-0.3b": Layer("ERNIE-4.5-0.3B", "ernie",
-                            dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=2,
-                                 head_dim=128),
+                            dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+                                 num_key_value_heads=2, head_dim=128),
                             "PaddleFormers' Ernie4_5ForCausalLM (fused qkv_proj and up_gate_proj, which the mapping "
                             "splits)", dict(tie_word_embeddings=True)),
     "ernie-4.5-21b-a3b-moe": Layer(
@@ -265,6 +271,7 @@ def snapshot_figures(path: Path) -> dict:
 
 def child_timed(layer: Layer, variant: str, out: Path) -> dict:
     import gc
+    import resource
 
     C.quiet_logs()
     model = build(layer)
@@ -273,12 +280,17 @@ def child_timed(layer: Layer, variant: str, out: Path) -> dict:
     gc.collect()
     C.trim_heap()
     load = os.getloadavg()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     with C.RssSampler(0.005) as rss, C.CpuShare() as cpu:
         t0 = time.perf_counter()
         info = driver.save()
         seconds = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
     driver.close()
-    return {"variant": variant, "seconds": seconds, "cpu": cpu.as_dict(), "peak_extra_rss": rss.extra,
+    usage = {"user_s": round(r1.ru_utime - r0.ru_utime, 4), "sys_s": round(r1.ru_stime - r0.ru_stime, 4),
+             "minor_faults": r1.ru_minflt - r0.ru_minflt, "context_switches": (r1.ru_nvcsw - r0.ru_nvcsw)
+             + (r1.ru_nivcsw - r0.ru_nivcsw)}
+    return {"variant": variant, "seconds": seconds, "cpu": cpu.as_dict(), "usage": usage, "peak_extra_rss": rss.extra,
             "process_peak_rss": C.ru_maxrss_bytes(), "loadavg_1m": round(load[0], 2),
             "writer_stats": writer_stats[-1] if writer_stats else {}, **snapshot_figures(Path(info.path))}
 
@@ -456,9 +468,78 @@ def child_facts(layer: Layer) -> dict:
     return {"variant": "facts", "one_thread_ns_per_element": out}
 
 
+def largest_shape(layer: Layer) -> tuple:
+    """Paddle's [in, out] of the layer's largest quantized weight (its MLP's, or an expert's)."""
+    d = layer.dims
+    inter = d.get("moe_intermediate_size") if layer.kind == "ernie_moe" else d["intermediate_size"]
+    return d["hidden_size"], inter
+
+
+def child_fill(layer: Layer, threads: int) -> dict:
+    """The FP8 bytes of the layer's largest weight (and, for comparison, the plain export's transposed bfloat16
+    copy of it) on ``threads`` threads of this process, the writer's 2 MB row pieces dealt out between them: wall and
+    CPU ns per element (the best of 3). Two such processes at once tell the threads' contention from the machine's."""
+    import threading
+
+    import numpy as np
+
+    from paddle_fullparam_callbacks.host import quantize as Q
+    from paddle_fullparam_callbacks.host.copy import copy_into, row_blocks
+    from paddle_fullparam_callbacks.host.pool import WorkerPool, using
+
+    w = np.random.default_rng(1).standard_normal(largest_shape(layer), dtype=np.float32) * np.float32(0.02)
+    hf_view = ((w.view(np.uint32) >> 16).astype(np.uint16)).T  # a bfloat16 parameter's transpose
+    with using(WorkerPool(1)):
+        q = Q.Fp8Weight(hf_view, "bfloat16", BLOCK)
+    codes, plain = np.empty(hf_view.shape, np.uint8), np.empty(hf_view.shape, np.uint16)
+    pieces = list(row_blocks(q.weight, 2 * 2**20))
+
+    def fp8(part):
+        for r0, r1 in part:
+            q.weight.rows(r0, r1).fill(codes[r0:r1])
+
+    def bf16(part):
+        for r0, r1 in part:
+            copy_into(plain[r0:r1], hf_view[r0:r1])
+
+    def run(fn):
+        threads_ = [threading.Thread(target=fn, args=(pieces[i::threads],)) for i in range(threads)]
+        c0, t0 = time.process_time(), time.perf_counter()
+        for t in threads_:
+            t.start()
+        for t in threads_:
+            t.join()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    out = {"shape": list(hf_view.shape), "threads": threads}
+    for name, fn in (("fp8_bytes", fp8), ("bf16_copy", bf16)):
+        fn(pieces)
+        wall, cpu = min(run(fn) for _ in range(C.tiny(3, 1)))
+        out[name] = {"wall_ns": round(wall / w.size * 1e9, 3), "cpu_ns": round(cpu / w.size * 1e9, 3)}
+    return out
+
+
 # ---- the parent ------------------------------------------------------------------------------------------------
 def run_child(args: list, env=None) -> dict:
     return C.run_child([__file__, *args], timeout=1800, env=env)
+
+
+def fill_scaling(name: str, quiet_wait: float) -> dict:
+    """The layer's largest weight filled on 1 thread, on 2 threads of one process, and by 2 processes at once."""
+    args = [__file__, "--child", "fill", "--layer", name, "--threads"]
+    C.wait_quiet(quiet_wait)
+    out = {"one_thread": run_child(args[1:] + ["1"]), "two_threads": run_child(args[1:] + ["2"])}
+    C.wait_quiet(quiet_wait)
+    procs = [subprocess.Popen([sys.executable, *args, "1"], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    both = [json.loads(p.communicate(timeout=900)[0].strip().splitlines()[-1]) for p in procs]
+    out["two_processes"] = both
+    for k in ("one_thread", "two_threads"):
+        out[k].pop("process_seconds", None)
+    one, two, procs2 = out["one_thread"], out["two_threads"], out["two_processes"]
+    out["speedup"] = {v: {"two_threads": round(one[v]["wall_ns"] / two[v]["wall_ns"], 2),
+                          "two_processes": round(2 * one[v]["wall_ns"] / max(p[v]["wall_ns"] for p in procs2), 2)}
+                      for v in ("fp8_bytes", "bf16_copy")}
+    return out
 
 
 def timed_runs(name: str, regime: str, reps: int, quiet_wait: float, variants=VARIANTS) -> dict:
@@ -505,6 +586,9 @@ def summary(runs: dict) -> dict:
         "median_paired_time_ratio": round(med(paired), 3),
         "cpu_s": cpu, "all_cpu_s": {v: [r["cpu"]["own_cpu_s"] for r in rs] for v, rs in runs.items()},
         "median_paired_cpu_ratio": round(med(paired_cpu), 3),
+        "user_sys_s": {v: {k: round(med([r["usage"][k] for r in rs]), 4) for k in ("user_s", "sys_s")}
+                       for v, rs in runs.items()},
+        "context_switches": {v: int(med([r["usage"]["context_switches"] for r in rs])) for v, rs in runs.items()},
         "cpu_ns_per_element": {v: round(cpu[v] / elements * 1e9, 3) for v in VARIANTS},
         "wall_ns_per_element": {v: round(sec[v] / elements * 1e9, 3) for v in VARIANTS},
         "fp8_extra_cpu_ns_per_quantized_element": round(med(extra_cpu), 3),
@@ -569,7 +653,8 @@ def main() -> None:
     ap.add_argument("--result", default=str(RESULT_PATH))
     ap.add_argument("--update", action="store_true", help="keep the other layers of an existing --result (a layer "
                                                            "measured again replaces its entry)")
-    ap.add_argument("--child", choices=VARIANTS + ONE_THREAD + ("check", "facts"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=VARIANTS + ONE_THREAD + ("check", "facts", "fill"), help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--layer", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ns = ap.parse_args()
@@ -581,6 +666,8 @@ def main() -> None:
             result = child_check(layer, Path(ns.out))
         elif ns.child == "facts":
             result = child_facts(layer)
+        elif ns.child == "fill":
+            result = child_fill(layer, ns.threads)
         else:
             result = child_timed(layer, ns.child, Path(ns.out))
         print(json.dumps(result), flush=True)
@@ -624,12 +711,14 @@ def measure(ns, names, before, before_label) -> None:
             b = check_layer(name, ns.regime, env=before_env)
             entry["check_before"] = {k: b[k] for k in ("bytes_identical", "quantized_weights", "differing_bytes",
                                                        "differing_scales", "per_tensor", "others_differing", "control")}
-            print(f"  check of {before_label}: bytes identical {b['bytes_identical']}, {b['differing_bytes']} bytes differ "
+            print(f"  check of {before_label}: bytes identical {b['bytes_identical']}, {b['differing_bytes']} bytes "
+                  "differ "
                   + ", ".join(f"{n.split('.', 3)[-1]} {t['differing_fraction']:.1%}" for n, t in b["per_tensor"].items()
                               if t["differing_bytes"]), flush=True)
         C.wait_quiet(ns.quiet_wait)
         facts = run_child(["--child", "facts", "--layer", name])
         entry["facts"] = facts["one_thread_ns_per_element"]
+        entry["fill_scaling"] = fill_scaling(name, ns.quiet_wait)
         runs = timed_runs(name, ns.regime, ns.reps, ns.quiet_wait)
         entry.update(summary(runs))
         one = timed_runs(name, ns.regime, 1, ns.quiet_wait, ONE_THREAD)
