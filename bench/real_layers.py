@@ -1,7 +1,7 @@
 """One decoder layer at published models' dimensions, exported through the public callback in bf16 and in FP8: every
 byte against transformers' own ``Fp8Quantize``, FP8's time and CPU against bf16's (issue 46).
 
-Run (about 30 minutes on a quiet machine; one layer at a time, each export in a fresh process after the machine is
+Run (about 40 minutes on a quiet machine, 7 repetitions; one layer at a time, each export in a fresh process after the machine is
 idle)::
 
     PY=$(scripts/env.sh paddleformers)
@@ -16,7 +16,8 @@ PaddleFormers 1.2's Qwen2/Qwen3/Qwen3-MoE classes import paddlefleet, which does
 layers are Llama layers of their dimensions (the same Linear shapes; Qwen2.5's q/k/v biases are left out: they are
 not quantized, and PaddleFormers' Llama mapping has no statement for them); the ERNIE layers are PaddleFormers' own
 ``Ernie4_5ForCausalLM`` and ``Ernie4_5_MoeForCausalLM`` (fused ``qkv_proj`` and ``up_gate_proj``, which the mapping
-splits: the quantized weights are strided slices of them).
+splits: the quantized weights are strided slices of them); the latter builds the Qwen3-30B-A3B MoE layer too. The
+MoE layers hold 8 experts of the published size (the count only multiplies the time).
 
 Every export goes through ``FullParamExportCallback`` as a Trainer drives it: ``on_train_begin`` (the plan, untimed),
 then ``on_save`` at step 1, timed whole (decision, assembly, quantization, BLAKE3, writes, commit) with the RSS
