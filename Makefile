@@ -80,7 +80,7 @@ bench:
 	@PY=$$($(ENV) paddleformers); \
 	$$PY bench/export_single.py && $$PY bench/export_fp8.py && $$PY bench/thread_scaling.py && $$PY bench/copy_floor.py && $$PY bench/gil.py && $$PY bench/export_ranks.py && $$PY bench/convert.py && $$PY bench/assembler.py && \
 	$$PY bench/async_stall.py && $$PY bench/lora_merge.py && $$PY bench/eval_stall.py && $$PY bench/run_startup.py && $$PY bench/publish.py && \
-	PFC_HF_PYTHON=$$($(ENV) hf) $$PY bench/lm_eval.py && PFC_VLLM_PYTHON=$$($(ENV) vllm) $$PY bench/serve.py
+	PFC_HF_PYTHON=$$($(ENV) hf) $$PY bench/lm_eval.py && PFC_HF_PYTHON=$$($(ENV) hf) $$PY bench/real_layers.py --before 0ff73e5~1 && PFC_VLLM_PYTHON=$$($(ENV) vllm) $$PY bench/serve.py
 
 faults:
 	@PY=$$($(ENV) paddleformers); \
