@@ -31,7 +31,11 @@ from .lazy import CastArray, LazyArray, computed, rows_of
 from .pool import current
 
 WIDENED = ("float32", "bfloat16", "float16", "float64")  # what a weight may be quantized from
-_CHUNK = 64 * 2**10  # elements read, scaled and encoded at a time in memory order (L2-sized)
+# elements read, scaled and encoded at a time in memory order. Not L2-sized (64K, before issue 46's bench): at 64K
+# a chunk's ten numpy calls are ~10 us each and two writer threads contend for the GIL between them (the fill ran
+# slower on 2 threads than on 1, measured on Qwen2.5-7B's gate_proj); at 256K a memory-order chunk is a whole
+# block column of the fill's rows (b1 x rows), never a 112-row chunk and a 16-row remainder
+_CHUNK = 256 * 2**10
 
 
 def widened(rows, dtype: str, slot: str) -> np.ndarray:
