@@ -13,6 +13,7 @@ from ..export.write.fsync import remove_tmp_files, replace_json_durable
 
 MAX_BYTES = 2_000_000
 MAX_RESULT_BYTES = 1_000_000
+LOG_TAIL_BYTES = 2000
 
 
 def read_json(path: Path) -> Optional[dict]:
@@ -25,6 +26,17 @@ def read_json(path: Path) -> Optional[dict]:
     except (OSError, ValueError, RecursionError):
         return None
     return obj if isinstance(obj, dict) else None
+
+
+def log_tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:
+    """The last ``limit`` bytes of a consumer's log, as text (what a failure's record quotes); "" if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode("utf-8", errors="replace").strip()
+    except OSError:
+        return ""
 
 
 @dataclass(frozen=True)

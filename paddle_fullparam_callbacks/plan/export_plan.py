@@ -207,6 +207,36 @@ def units(specs: Iterable[TensorSpec]) -> list:
                                                          key=lambda t: natural_key(t.name))]
 
 
+def storage_order(group: Sequence[TensorSpec]) -> list:
+    """One file's tensors in the order of their bytes.
+
+    By item size, largest first (stable: name order among equals), so that every tensor starts at a multiple of
+    its item size, as safetensors' own writer orders them. Companions (an FP8 weight's ``weight_scale_inv``) go
+    after all the other tensors when they stay aligned there: a companion is known only once its tensor arrives,
+    so a companion stored ahead of its tensor keeps the writer from hashing the file in order until the file's
+    last tensor is in (past its stash, it reads the whole file back: issue 47's 7.6 B run). When the bytes before
+    them would misalign them (an odd count of 1- or 2-byte elements), they keep their place by item size.
+
+    >>> [t.name for t in storage_order([TensorSpec("w", (4, 4), "uint8"), TensorSpec("w_s", (1,), "float32",
+    ...                                  companion_of="w"), TensorSpec("n", (4,), "bfloat16")])]
+    ['n', 'w', 'w_s']
+    >>> [t.name for t in storage_order([TensorSpec("w", (3, 3), "uint8"), TensorSpec("w_s", (1,), "float32",
+    ...                                  companion_of="w")])]
+    ['w_s', 'w']
+    """
+    def by_size(ts):
+        return sorted(ts, key=lambda t: -_dtypes.lookup(t.dtype).itemsize)
+
+    main = by_size([t for t in group if t.companion_of is None])
+    extra = by_size([t for t in group if t.companion_of is not None])
+    offset = sum(t.nbytes for t in main)
+    for t in extra:
+        if offset % _dtypes.lookup(t.dtype).itemsize:
+            return by_size(group)
+        offset += t.nbytes
+    return main + extra
+
+
 def plan_from_groups(groups: Sequence[Sequence[TensorSpec]], max_shard_size: int, *, prefix: str = "model",
                      metadata: "dict | None" = None) -> ExportPlan:
     """The files of ``groups`` (one file each, in the order given): names, slots, headers."""
@@ -217,8 +247,7 @@ def plan_from_groups(groups: Sequence[Sequence[TensorSpec]], max_shard_size: int
     files = []
     slots_by_name = {}
     for i, group in enumerate(groups):
-        # stable: keeps name order among tensors of the same item size
-        group = sorted(group, key=lambda t: -_dtypes.lookup(t.dtype).itemsize)
+        group = storage_order(group)
         offset = 0
         slots = []
         for t in group:

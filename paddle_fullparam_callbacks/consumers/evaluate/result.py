@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from ...export.commit.evaluation import DISCARDED, FAILED, OK, TIMEOUT, UNFINISHED
+from ..records import log_tail  # noqa: F401 (the hook reads the evaluator's log through this module)
 
 MAX_RESULT_BYTES = 1_000_000
 MAX_DEPTH = 6
 MAX_SCORES = 1000
-LOG_TAIL_BYTES = 2000
 
 
 def flatten(obj: dict, prefix: str = "", depth: int = 0, out: Optional[dict] = None) -> dict:
@@ -108,15 +108,3 @@ def final_record(running: dict, status: Optional[dict], output: Optional[Path], 
     if record["status"] != OK and log_tail:
         record["log_tail"] = log_tail
     return record
-
-
-def log_tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:
-    """The end of the evaluator's log (what a failure's message quotes)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - limit))
-            return f.read().decode("utf-8", errors="replace").strip()
-    except OSError:
-        return ""

@@ -5,21 +5,11 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from ..records import log_tail
 from ..records import read_json as _json
 from . import records
 
-LOG_TAIL_BYTES = 2000
 NEXT = "the next start, or `paddle-fullparam publish`, finishes it"
-
-
-def log_tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - limit))
-            return f.read().decode("utf-8", errors="replace").strip()
-    except OSError:
-        return ""
 
 
 def final_entry(running: dict, status_path: Path, output: Path, log: Path,

@@ -80,7 +80,9 @@ class SafetensorsExporter(Exporter):
             if zero_row is not None:
                 raise ValueError(f"tensor {name!r}: a weight stored as FP8 has no padding row to zero")
             # the scales now (one read of the weight, on the workers), the e4m3 bytes where the writer makes them;
-            # the scale goes first: it comes first in the file (float32 before bytes)
+            # the scale goes first: stored after the file's other tensors (plan.export_plan.storage_order), it waits
+            # in the writer's stash (a few KB) while the weight is written in order; where it is stored first (an
+            # unaligned file), it is written at once, ahead of its weight
             fp8 = Fp8Weight(arr, q.dtype, q.block)
             self._put(q.scale, fp8.scale_inv)
             self._put(name, fp8.weight)
