@@ -54,8 +54,6 @@ REGIMES = {"tmpfs": "/dev/shm", "disk": "/tmp"}
 VARIANTS = ("bf16", "fp8")
 NPROC = 4
 MAX_SHARD = C.tiny("40MB", "100KB")  # 4 ranks: a few files each
-DISTURBED = 0.2  # others used more than this share of the CPUs during a run: it is repeated
-RETRIES = C.tiny(3, 1)
 TARGETS = {"time_ratio": "<= 1.15", "quantized_bytes_ratio": "<= 0.55",
            "peak_extra_rss": "fp8's within the writer's budget (export.max_pending_bytes: 512MB), as bf16's"}
 
@@ -140,21 +138,8 @@ def run_single(regimes, reps: int, quiet_wait: float) -> dict:
     for rep in range(reps):
         for regime in regimes:
             for v in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
-                tries = []
-                for _ in range(RETRIES):  # a run others disturbed is repeated; the least disturbed is kept
-                    tmp = Path(tempfile.mkdtemp(prefix=f"pfc-bench-fp8-{v}-", dir=REGIMES[regime]))
-                    try:
-                        os.sync()
-                        q = C.wait_quiet(quiet_wait)
-                        r = C.run_child([__file__, "--variant", v, "--out", str(tmp / "out")])
-                        r["quiet"] = q
-                    finally:
-                        shutil.rmtree(tmp, ignore_errors=True)
-                    tries.append(r)
-                    if r["cpu"]["foreign_fraction"] <= DISTURBED:
-                        break
-                r = min(tries, key=lambda x: x["cpu"]["foreign_fraction"])
-                r["disturbed_tries"] = [t["cpu"]["foreign_fraction"] for t in tries if t is not r]
+                r = C.least_disturbed_child(lambda out: [__file__, "--variant", v, "--out", str(out)],
+                                            f"pfc-bench-fp8-{v}-", REGIMES[regime], quiet_wait)
                 runs[(regime, v)].append(r)
                 print(f"single rep {rep + 1}/{reps} {regime:>5} {v:>4}: {r['seconds']:6.3f} s, "
                       f"{r['tensor_bytes'] / 1e6:7.1f} MB, peak extra RSS {r['peak_extra_rss'] / 2**20:6.1f} MiB, "

@@ -85,8 +85,6 @@ VARIANTS = ("bf16", "fp8")
 ONE_THREAD = ("bf16_t1", "fp8_t1")  # once per layer, after the repetitions: what the second thread gives each
 VOCAB = C.tiny(1024, 256)
 BLOCK = (128, 128)
-DISTURBED = 0.2  # others used more than this share of the CPUs during a run: it is repeated
-RETRIES = C.tiny(3, 1)
 MEMORY_LIMIT = 10 * 2**30  # no layer's estimated peak may exceed it (the machine is shared)
 WRITER_KEYS = ("copy_s", "fill_s", "hash_s", "write_s", "elapsed_s")  # the writer's thread-seconds, summed
 TARGETS = {"time_ratio": "<= 1.15", "quantized_bytes_ratio": "<= 0.55"}
@@ -547,22 +545,9 @@ def timed_runs(name: str, regime: str, reps: int, quiet_wait: float, variants=VA
     runs = {v: [] for v in variants}
     for rep in range(reps):
         for v in (variants if rep % 2 == 0 else variants[::-1]):
-            tries = []
-            for _ in range(RETRIES):  # a run others disturbed is repeated; the least disturbed is kept
-                tmp = Path(tempfile.mkdtemp(prefix=f"pfc-bench-layer-{v}-", dir=REGIMES[regime]))
-                try:
-                    os.sync()
-                    q = C.wait_quiet(quiet_wait)
-                    q["loadavg_1m"] = round(os.getloadavg()[0], 2)
-                    r = run_child(["--child", v, "--layer", name, "--out", str(tmp / "out")])
-                    r["quiet"] = q
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                tries.append(r)
-                if r["cpu"]["foreign_fraction"] <= DISTURBED:
-                    break
-            r = min(tries, key=lambda x: x["cpu"]["foreign_fraction"])
-            r["disturbed_tries"] = [t["cpu"]["foreign_fraction"] for t in tries if t is not r]
+            r = C.least_disturbed_child(lambda out: [__file__, "--child", v, "--layer", name, "--out", str(out)],
+                                        f"pfc-bench-layer-{v}-", REGIMES[regime], quiet_wait, timeout=1800,
+                                        loadavg=True)
             runs[v].append(r)
             print(f"  {name} rep {rep + 1}/{reps} {regime:>5} {v:>4}: {r['seconds']:6.3f} s, own CPU "
                   f"{r['cpu']['own_cpu_s']:6.3f} s, peak extra RSS {r['peak_extra_rss'] / 2**20:6.1f} MiB, "
