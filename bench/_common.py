@@ -388,6 +388,17 @@ def run_child(argv: List[str], timeout: float = 900, env: Optional[dict] = None)
     return result
 
 
+def best_ns_per_element(fn, n: int, reps: int, digits: int = 3) -> float:
+    """ns per element of the fastest of ``reps`` calls of ``fn`` (after one warm-up call) over ``n`` elements."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return round(min(ts) / n * 1e9, digits)
+
+
 DISTURBED = 0.2  # others used more than this share of the CPUs during a run: it is repeated
 RETRIES = tiny(3, 1)
 

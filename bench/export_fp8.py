@@ -108,13 +108,7 @@ def facts() -> dict:
     out = {}
 
     def timed(fn, n, reps=C.tiny(5, 1)):
-        fn()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return round(min(ts) / n * 1e9, 2)
+        return C.best_ns_per_element(fn, n, reps, digits=2)
 
     def fill(lazy):
         buf = np.empty(lazy.shape, lazy.dtype)

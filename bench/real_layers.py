@@ -402,13 +402,7 @@ def child_facts(layer: Layer) -> dict:
     reps = C.tiny(3, 1)
 
     def timed(fn, n):
-        fn()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return round(min(ts) / n * 1e9, 3)
+        return C.best_ns_per_element(fn, n, reps)
 
     def fill(lazy, buf):
         for r0, r1 in row_blocks(lazy, 2 * 2**20):
