@@ -43,6 +43,9 @@ from ..export.write.fsync import write_json_durable
 from .runner import KILL_GRACE_S, STATUS, is_alive
 
 RUNNER = Path(__file__).resolve().with_name("runner.py")
+RUNNING, FAILED = "running", "failed"  # the same words in every consumer's record
+BACKSTOP_S = 60.0  # beyond the job's timeout_s: the hook stops a runner that did not stop itself
+STOP_WAIT_S = 15.0  # at the end: how long stopped jobs get to record themselves as unfinished
 
 
 class LandingQueue(queue.Queue):
@@ -55,9 +58,6 @@ class LandingQueue(queue.Queue):
     def put(self, item, block=True, timeout=None):
         super().put(item, block, timeout)
         self._landed(item)
-RUNNING, FAILED = "running", "failed"  # the same words in every consumer's record
-BACKSTOP_S = 60.0  # beyond the job's timeout_s: the hook stops a runner that did not stop itself
-STOP_WAIT_S = 15.0  # at the end: how long stopped jobs get to record themselves as unfinished
 
 
 @dataclass

@@ -28,6 +28,7 @@ from ...export.commit import evaluation as records
 from ...export.commit.ownership import delete_marked, is_marked, mark, snapshot_identity
 from ..holds import Holds
 from ..hook import BACKSTOP_S, ConsumerHook, Job, LandingQueue, not_recordable
+from ..records import log_tail
 from ..runner import EVALUATOR_PID, STATUS, find, is_alive
 from . import result as results
 from .command import build_argv, describe
@@ -103,7 +104,7 @@ class EvaluationHook(ConsumerHook):
             self.holds.release(ev.name)
 
     def _landed(self, ev: Evaluation) -> None:
-        if getattr(ev, "holding", False):
+        if ev.holding:
             ev.holding = False
             self.holds.release(ev.name)
 
@@ -204,10 +205,10 @@ def finalize(name: str, path: Path, running: dict, stopped_after_s: Optional[flo
     if it is still the one evaluated; the work folder is removed. Returns the record."""
     work = path / records.WORKDIR
     status = records_json(work / STATUS)
-    record = results.final_record(running, status, work / OUTPUT, results.log_tail(path / records.LOG),
+    record = results.final_record(running, status, work / OUTPUT, log_tail(path / records.LOG),
                                   stopped_after_s)
     if status is None:
-        err = results.log_tail(work / "runner.err", 500)
+        err = log_tail(work / "runner.err", 500)
         if err:
             record["error"] += f"; the runner said: {err}"
     if not_recordable(record, path, running, "evaluated"):

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from ...export.commit.evaluation import DISCARDED, FAILED, OK, TIMEOUT, UNFINISHED
-from ..records import log_tail  # noqa: F401 (the hook reads the evaluator's log through this module)
 
 MAX_RESULT_BYTES = 1_000_000
 MAX_DEPTH = 6
