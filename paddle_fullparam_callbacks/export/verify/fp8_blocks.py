@@ -35,10 +35,10 @@ def check_blocks(snap, located: Dict[str, Tuple[str, int, object]], weights, blo
             report.fail(f"{short(name)}: cannot be read ({e.strerror or e})")
 
 
-def _read(snap, where: Tuple[str, int, object], begin: int, n: int) -> bytes:
+def _read(f, where: Tuple[str, int, object], begin: int, n: int) -> bytes:
+    """``n`` bytes at ``begin`` of the data section of ``where``'s file, open as ``f``."""
     fname, start, _ = where
-    with snap.open_file(fname) as f:
-        data = os.pread(f.fileno(), n, start + begin)
+    data = os.pread(f.fileno(), n, start + begin)
     if len(data) != n:
         raise OSError(0, f"{fname} ended before byte {start + begin + n}")
     return data
@@ -47,21 +47,23 @@ def _read(snap, where: Tuple[str, int, object], begin: int, n: int) -> bytes:
 def _check_weight(snap, name: str, weight, scale, block, report) -> None:
     rows, cols = weight[2].shape
     b0, b1 = block
-    inv = np.frombuffer(_read(snap, scale, scale[2].begin, scale[2].end - scale[2].begin), "<f4").reshape(
-        scale[2].shape)
+    with snap.open_file(scale[0]) as f:
+        inv = np.frombuffer(_read(f, scale, scale[2].begin, scale[2].end - scale[2].begin), "<f4").reshape(
+            scale[2].shape)
     with np.errstate(invalid="ignore"):
         strange = ~((inv >= 0) | np.isposinf(inv))  # negative or NaN: no block's scale under the rule
         scaled = np.isfinite(inv) & (inv > 0) & (inv != 1)
     starts = np.arange(0, cols, b1)
     bad = []
-    for g in range(inv.shape[0]):
-        if not scaled[g].any():
-            continue
-        r0, r1 = g * b0, min(rows, (g + 1) * b0)
-        q = np.frombuffer(_read(snap, weight, weight[2].begin + r0 * cols, (r1 - r0) * cols), np.uint8)
-        top = (np.bitwise_and(q, 0x7F) == 0x7E).reshape(r1 - r0, cols).any(axis=0)  # a +-448 in each column?
-        has = np.logical_or.reduceat(top, starts) if cols else np.zeros(0, bool)
-        bad.extend((g, int(j)) for j in np.flatnonzero(scaled[g] & ~has))
+    with snap.open_file(weight[0]) as f:  # once per weight: read a block row at a time
+        for g in range(inv.shape[0]):
+            if not scaled[g].any():
+                continue
+            r0, r1 = g * b0, min(rows, (g + 1) * b0)
+            q = np.frombuffer(_read(f, weight, weight[2].begin + r0 * cols, (r1 - r0) * cols), np.uint8)
+            top = (np.bitwise_and(q, 0x7F) == 0x7E).reshape(r1 - r0, cols).any(axis=0)  # a +-448 in each column?
+            has = np.logical_or.reduceat(top, starts) if cols else np.zeros(0, bool)
+            bad.extend((g, int(j)) for j in np.flatnonzero(scaled[g] & ~has))
     for g, j in zip(*np.nonzero(strange)):
         report.fail(f"{short(name)}: block [{g}, {j}] has weight_scale_inv {float(inv[g, j])!r}, which the rule never "
                     "gives (its scales' inverses are positive, 0 or +inf)")
